@@ -1,0 +1,12 @@
+"""Element-wise ops whose rounding points follow a rule: RMSNorm, residual add + RMSNorm, RoPE and SwiGLU.
+
+Every op is a formula with explicit casts (``r(t) = t.to(bf16)``), run as a ``torch.library`` custom op so that
+torch.compile cannot move its rounding points, with a backward that saves only the bf16 inputs. See
+``roundalign/ops/_custom.py`` for how the gradient is defined.
+"""
+
+from roundalign.ops.rms_norm import add_rms_norm, residual_add, rms_norm
+from roundalign.ops.rope import rope, rotate_half
+from roundalign.ops.swiglu import swiglu
+
+__all__ = ["add_rms_norm", "residual_add", "rms_norm", "rope", "rotate_half", "swiglu"]

@@ -1,0 +1,114 @@
+"""Turn a rounding formula into an op with the right backward and no surprises under torch.compile.
+
+Each op in ``roundalign.ops`` is written once, as a formula: plain torch code in which every rounding point is an
+explicit cast, ``r(t) = t.to(out_dtype)``. This module makes two custom ops from a formula
+(``torch.library.custom_op``):
+
+- ``roundalign::<name>`` runs the formula. It is opaque to Inductor. That matters: Inductor drops explicit bf16
+  casts inside the kernels it fuses (``emulate_precision_casts=False``), so a formula traced into a compiled graph
+  would lose its rounding points. As an opaque op it runs exactly as in eager mode, and compiled numerics equal
+  eager numerics bit for bit.
+- ``roundalign::<name>_backward`` recomputes the formula under autograd and returns its vector-Jacobian product.
+  Only the op's inputs (bf16) are saved for backward, never the fp32 intermediates, so the saved activation bytes
+  stay at or below stock HF's for the same region.
+
+The gradient is therefore autograd's gradient of the formula itself: a rule that rounds once is written as
+``(fp32 formula).to(bf16)``, whose casts are straight-through in backward, so its gradient is the gradient of the
+fp32 formula rounded once to the input dtype. A rule that rounds per op (HF's) is written as HF's bf16
+expression, so its gradient is stock HF's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; float64 stays float64 so that gradcheck can run with rounding off."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def default_out_dtype(t: torch.Tensor) -> torch.dtype:
+    """A low-precision or float64 tensor keeps its dtype; an fp32 intermediate is rounded to bf16."""
+    return t.dtype if t.dtype in (*_LOW, torch.float64) else torch.bfloat16
+
+
+def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, grads, diff: Sequence[int]):
+    # torch.func.vjp, not torch.autograd.grad: a custom op's kernel runs below the autograd dispatch key, where
+    # plain autograd records nothing; functorch's transform re-enables it for its own level.
+    def of_diff(*diff_tensors):
+        args = list(tensors)
+        for i, t in zip(diff, diff_tensors):
+            args[i] = t
+        outs = formula(*args, *consts)
+        return outs if isinstance(outs, tuple) else (outs,)
+
+    _, pullback = torch.func.vjp(of_diff, *[tensors[i] for i in diff])
+    return tuple(pullback(tuple(grads)))
+
+
+def define(
+    name: str,
+    formula: Callable,
+    tensors: Sequence[str],
+    consts: Sequence[tuple[str, str]],
+    n_out: int,
+    diff: Sequence[int],
+):
+    """Register ``roundalign::name`` and its backward from ``formula(*tensors, *consts)``.
+
+    ``consts`` are (schema type, name) pairs, e.g. ``("float", "eps")``; ``diff`` indexes the tensor inputs that
+    get gradients. Returns a callable with autograd support.
+    """
+    t_args = ", ".join(f"Tensor {t}" for t in tensors)
+    c_args = "".join(f", {ty} {n}" for ty, n in consts)
+    outs = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+    grads_in = ", ".join(f"Tensor grad{i}" for i in range(n_out))
+    grads_out = "(" + ", ".join(["Tensor"] * len(diff)) + ")" if len(diff) > 1 else "Tensor"
+    nt = len(tensors)
+
+    def forward_impl(*args):
+        with torch.no_grad():
+            return formula(*args)
+
+    fwd = torch.library.custom_op(
+        f"roundalign::{name}", forward_impl, mutates_args=(), schema=f"({t_args}{c_args}) -> {outs}"
+    )
+    fwd.register_fake(formula)
+
+    def backward_impl(*args):
+        grads, rest = args[:n_out], args[n_out:]
+        got = _vjp(formula, rest[:nt], rest[nt:], grads, diff)
+        return got if len(diff) > 1 else got[0]
+
+    bwd = torch.library.custom_op(
+        f"roundalign::{name}_backward",
+        backward_impl,
+        mutates_args=(),
+        schema=f"({grads_in}, {t_args}{c_args}) -> {grads_out}",
+    )
+
+    @bwd.register_fake
+    def _(*args):
+        rest = args[n_out:]
+        got = tuple(torch.empty_like(rest[i]) for i in diff)
+        return got if len(diff) > 1 else got[0]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:nt])
+        ctx.consts = inputs[nt:]
+
+    def backward(ctx, *grads):
+        got = bwd(*grads, *ctx.saved_tensors, *ctx.consts)
+        got = got if isinstance(got, tuple) else (got,)
+        per_input = [None] * (nt + len(consts))
+        for i, g in zip(diff, got):
+            per_input[i] = g
+        return tuple(per_input)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+    return fwd

@@ -1,0 +1,56 @@
+"""Rotary position embedding (NeoX / rotate-half layout) with the rounding point of a rule.
+
+For the first half of a head, ``o1 = x1*c - x2*s`` (the second half, ``o2 = x2*c + x1*s``, is symmetric):
+
+- ``per_op`` (HF, vLLM <= 0.17 CUDA, Liger):  ``r(r(x1*c) - r(x2*s))``  -- three roundings.
+- ``once`` (vLLM Inductor and >= 0.23 CUDA, FlashInfer, TE):  ``r(x1*c - x2*s)``  -- one rounding.
+
+``c``/``s`` come in the profile's dtype: ``c16 = r(cos(theta))`` or ``c32 = cos(theta)``; see
+``roundalign.rotary`` for how theta is computed. ``x`` is bf16, or the fp32 output of a q/k norm whose rule is
+``fused_into_rope``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roundalign.ops._custom import compute_dtype, default_out_dtype, define
+from roundalign.profiles import RopeRounding
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)``; negation is exact, so this never rounds."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype):
+    if rounding == RopeRounding.PER_OP:
+        # HF's `(q * cos) + (rotate_half(q) * sin)`: each product rounds, then the sum does. With bf16 x and
+        # cos the casts are no-ops and this is HF's expression exactly; with fp32 operands they round.
+        return (x * cos).to(out_dtype) + (rotate_half(x) * sin).to(out_dtype)
+    if rounding == RopeRounding.ONCE:
+        acc = compute_dtype(x)
+        x32 = x.to(acc)
+        return (x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)).to(out_dtype)  # r(x1*c - x2*s)
+    raise ValueError(f"unknown rope rounding {rounding!r}")
+
+
+_rope_op = define("rope", _rope, ["x", "cos", "sin"], [("str", "rounding"), ("ScalarType", "out_dtype")], 1, [0])
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rounding: RopeRounding | str,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` (..., head_dim) by ``cos``/``sin`` broadcastable to it, rounding per ``rounding``.
+
+    ``out_dtype`` defaults to ``x``'s dtype (bf16 when ``x`` is an fp32 norm output).
+    """
+    rounding = RopeRounding.parse(rounding, "rope rounding")
+    if x.shape[-1] % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {x.shape[-1]}")
+    return _rope_op(x, cos, sin, rounding.value, out_dtype or default_out_dtype(x))

@@ -1,0 +1,35 @@
+"""SwiGLU, ``silu(g) * u``, with the rounding point of a rule.
+
+``silu(g) = g * sigmoid(g)`` computed in fp32 (``torch.nn.functional.silu``):
+
+- ``round_silu`` (HF, vLLM CUDA ``silu_and_mul``, Liger):  ``r(r(silu(g)) * u)``  -- two roundings.
+- ``once`` (vLLM Inductor, FlashInfer, SGLang JIT, TE):    ``r(silu(g) * u)``     -- one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from roundalign.ops._custom import compute_dtype, define
+from roundalign.profiles import SwiGLURule
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
+    if rule == SwiGLURule.ROUND_SILU:
+        return F.silu(gate) * up  # HF's `act_fn(gate) * up`: silu rounds to bf16, then the product does
+    if rule == SwiGLURule.ONCE:
+        acc = compute_dtype(gate)
+        return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)  # r(silu(g) * u)
+    raise ValueError(f"unknown swiglu rule {rule!r}")
+
+
+_swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1])
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: SwiGLURule | str) -> torch.Tensor:
+    """``silu(gate) * up`` under ``rule``; the output has ``gate``'s dtype."""
+    rule = SwiGLURule.parse(rule, "swiglu")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return _swiglu_op(gate, up, rule.value)

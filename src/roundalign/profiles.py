@@ -1,0 +1,346 @@
+"""Rounding profiles: where an engine rounds to bf16, as data.
+
+A ``Profile`` names one rounding rule per element-wise region (RMSNorm, Qwen3's q/k norm, residual add,
+RoPE, SwiGLU, MoE experts' SwiGLU). The rules are small enums, each documented with its formula in the
+notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even),
+everything inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
+
+The named profiles below are read off section 2 of that fact sheet, each with the engine versions it covers
+and its source. ``roundalign.apply(model, profile)`` turns a profile into patched modules; nothing else in the
+package branches on engine names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class _Rule(str, enum.Enum):
+    """A rule is a string enum so that profiles print, compare and serialise as plain strings."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | _Rule, region: str) -> _Rule:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"unknown {region} rule {value!r}; choose one of {choices}") from None
+
+
+class RMSNormRule(_Rule):
+    """Decoder norms and the final norm."""
+
+    ROUND_BEFORE_WEIGHT = "round_before_weight"  # HF, vLLM CUDA, Liger llama: r(w * r(x * nu(x)))
+    ROUND_AFTER_WEIGHT = "round_after_weight"  # fused kernels, Inductor: r(x * nu(x) * w)
+
+
+class QKNormRule(_Rule):
+    """Qwen3's per-head q_norm / k_norm, applied before RoPE."""
+
+    ROUND_BEFORE_WEIGHT = "round_before_weight"  # r(w * r(q * nu(q))), then RoPE
+    ROUND_AFTER_WEIGHT = "round_after_weight"  # r(q * nu(q) * w), then RoPE
+    FUSED_INTO_ROPE = "fused_into_rope"  # RoPE reads the fp32 q * nu(q) * w; RoPE's output is the only rounding
+
+
+class ResidualRule(_Rule):
+    """Every residual add, including the one that feeds the final norm."""
+
+    NORMALIZE_ROUNDED_SUM = "normalize_rounded_sum"  # HF: R = r(a + h); the norm reads R
+    NORMALIZE_FP32_SUM = "normalize_fp32_sum"  # fused add+norm: the norm reads S = a + h; R = r(S) is carried
+
+
+class RopeRounding(_Rule):
+    PER_OP = "per_op"  # HF: r(r(x1 * c) - r(x2 * s))
+    ONCE = "once"  # fused: r(x1 * c - x2 * s)
+
+
+class CosSinDtype(_Rule):
+    BF16 = "bf16"  # c = r(cos(theta)), the cache cast to the model dtype
+    FP32 = "fp32"  # c = cos(theta) kept in fp32
+
+
+class SwiGLURule(_Rule):
+    ROUND_SILU = "round_silu"  # HF, vLLM CUDA: r(r(silu(g)) * u)
+    ONCE = "once"  # fused kernels, Inductor: r(silu(g) * u)
+
+
+@dataclass(frozen=True)
+class RopeRule:
+    """RoPE rule: the dtype of cos/sin times where the rotation rounds."""
+
+    cos_sin: CosSinDtype
+    rounding: RopeRounding
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cos_sin", CosSinDtype.parse(self.cos_sin, "rope cos_sin"))
+        object.__setattr__(self, "rounding", RopeRounding.parse(self.rounding, "rope rounding"))
+
+    @classmethod
+    def parse(cls, value: str | RopeRule) -> RopeRule:
+        """Accept a RopeRule or a string like ``"bf16/once"``."""
+        if isinstance(value, RopeRule):
+            return value
+        parts = str(value).split("/")
+        if len(parts) != 2:
+            raise ValueError(f"rope rule {value!r} must look like 'bf16/once' (cos/sin dtype / rounding)")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.cos_sin}/{self.rounding}"
+
+
+@dataclass(frozen=True)
+class HeadDimRope:
+    """A RoPE rule that depends on head_dim, as SGLang's does: ``rule`` for the listed head dims, else ``other``."""
+
+    head_dims: tuple[int, ...]
+    rule: RopeRule
+    other: RopeRule
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_dims", tuple(int(d) for d in self.head_dims))
+        object.__setattr__(self, "rule", RopeRule.parse(self.rule))
+        object.__setattr__(self, "other", RopeRule.parse(self.other))
+
+    def for_head_dim(self, head_dim: int) -> RopeRule:
+        return self.rule if head_dim in self.head_dims else self.other
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.head_dims))
+        return f"{self.rule} if head_dim in {{{dims}}} else {self.other}"
+
+
+REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Where one engine build rounds, one rule per region.
+
+    Fields:
+        name: short name (``vllm``); custom profiles may use any name.
+        rms_norm: decoder norms and the final norm (``RMSNormRule``).
+        qk_norm: Qwen3 / Qwen3-MoE per-head q_norm and k_norm (``QKNormRule``).
+        residual: every residual add, including the one before the final norm (``ResidualRule``).
+        rope: ``RopeRule`` or ``HeadDimRope`` (``"bf16/once"`` strings are accepted).
+        swiglu: dense MLPs (``SwiGLURule``).
+        expert_swiglu: MoE experts; engines often run a different kernel there (vLLM's fused MoE always
+            calls its CUDA ``silu_and_mul``).
+        engines: the engine builds and flags the profile describes.
+        source: where each rule was read.
+    """
+
+    name: str
+    rms_norm: RMSNormRule
+    qk_norm: QKNormRule
+    residual: ResidualRule
+    rope: RopeRule | HeadDimRope
+    swiglu: SwiGLURule
+    expert_swiglu: SwiGLURule
+    engines: str = ""
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "rms_norm", RMSNormRule.parse(self.rms_norm, "rms_norm"))
+        set_(self, "qk_norm", QKNormRule.parse(self.qk_norm, "qk_norm"))
+        set_(self, "residual", ResidualRule.parse(self.residual, "residual"))
+        if isinstance(self.rope, dict):
+            set_(self, "rope", HeadDimRope(**self.rope))
+        elif not isinstance(self.rope, HeadDimRope):
+            set_(self, "rope", RopeRule.parse(self.rope))
+        set_(self, "swiglu", SwiGLURule.parse(self.swiglu, "swiglu"))
+        set_(self, "expert_swiglu", SwiGLURule.parse(self.expert_swiglu, "expert_swiglu"))
+
+    def rope_for(self, head_dim: int) -> RopeRule:
+        """The RoPE rule a model with this head_dim gets."""
+        return self.rope.for_head_dim(head_dim) if isinstance(self.rope, HeadDimRope) else self.rope
+
+    def replace(self, **overrides) -> Profile:
+        """A copy with some regions overridden; the name records the override (``vllm+rope=fp32/once``)."""
+        unknown = set(overrides) - set(REGIONS)
+        if unknown:
+            raise TypeError(f"unknown region(s) {sorted(unknown)}; the regions are {', '.join(REGIONS)}")
+        if not overrides:
+            return self
+        tag = ",".join(f"{k}={overrides[k]}" for k in sorted(overrides))
+        return dataclasses.replace(self, name=f"{self.name}+{tag}", **overrides)
+
+    def to_dict(self) -> dict:
+        rope = self.rope
+        rope_json = (
+            {"head_dims": list(rope.head_dims), "rule": str(rope.rule), "other": str(rope.other)}
+            if isinstance(rope, HeadDimRope)
+            else str(rope)
+        )
+        out = {k: str(getattr(self, k)) for k in ("name", *REGIONS, "engines", "source")}
+        out["rope"] = rope_json
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        missing = [k for k in ("name", *REGIONS) if k not in data]
+        if missing:
+            raise ValueError(f"profile is missing field(s) {missing}; a profile file needs name and {REGIONS}")
+        extra = set(data) - {"name", *REGIONS, "engines", "source"}
+        if extra:
+            raise ValueError(f"profile has unknown field(s) {sorted(extra)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def describe(self) -> dict[str, str]:
+        """Each region's rule as its formula, for tables and reports."""
+        return {region: formula(region, getattr(self, region)) for region in REGIONS}
+
+
+_FORMULAS = {
+    ("rms_norm", "round_before_weight"): "r(w*r(x*nu(x)))",
+    ("rms_norm", "round_after_weight"): "r(x*nu(x)*w)",
+    ("qk_norm", "round_before_weight"): "r(w*r(q*nu(q)))",
+    ("qk_norm", "round_after_weight"): "r(q*nu(q)*w)",
+    ("qk_norm", "fused_into_rope"): "q*nu(q)*w kept fp32 into RoPE",
+    ("residual", "normalize_rounded_sum"): "R=r(a+h); norm(R)",
+    ("residual", "normalize_fp32_sum"): "R=r(a+h); norm(a+h) in fp32",
+    ("swiglu", "round_silu"): "r(r(silu(g))*u)",
+    ("swiglu", "once"): "r(silu(g)*u)",
+    ("expert_swiglu", "round_silu"): "r(r(silu(g))*u)",
+    ("expert_swiglu", "once"): "r(silu(g)*u)",
+}
+
+
+def _rope_formula(rule: RopeRule) -> str:
+    c = "c16" if rule.cos_sin is CosSinDtype.BF16 else "c32"
+    s = c.replace("c", "s")
+    if rule.rounding is RopeRounding.PER_OP:
+        return f"r(r(x1*{c})-r(x2*{s}))"
+    return f"r(x1*{c}-x2*{s})"
+
+
+def formula(region: str, rule) -> str:
+    if region == "rope":
+        if isinstance(rule, HeadDimRope):
+            dims = ",".join(map(str, rule.head_dims))
+            return f"head_dim in {{{dims}}}: {_rope_formula(rule.rule)}; else {_rope_formula(rule.other)}"
+        return _rope_formula(rule)
+    return _FORMULAS[(region, str(rule))]
+
+
+_ER = "shared/reference/engine-rounding.md"
+_HF = dict(
+    rms_norm="round_before_weight",
+    qk_norm="round_before_weight",
+    residual="normalize_rounded_sum",
+    rope="bf16/per_op",
+    swiglu="round_silu",
+    expert_swiglu="round_silu",
+)
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in [
+        Profile(
+            name="hf",
+            **_HF,
+            engines="HF transformers eager, bf16 params (4.51-5.x); apply() leaves the model untouched",
+            source=f"{_ER} s3: modeling_{{llama,qwen2,qwen3,qwen3_moe}}.py RMSNorm, decoder layer, rotary, MLP",
+        ),
+        Profile(
+            name="vllm",
+            rms_norm="round_after_weight",
+            # Measured, not read: compiled piecewise (split at attention, as vLLM does) the q/k norm output is a
+            # kernel output and rounds; see docs/qk-norm.md and tests/test_vllm_compiled.py.
+            qk_norm="round_after_weight",
+            residual="normalize_fp32_sum",
+            rope="bf16/once",
+            swiglu="once",
+            # vLLM's fused MoE always calls the CUDA silu_and_mul, which rounds silu(g) first.
+            expert_swiglu="round_silu",
+            engines="vLLM V1 default (torch.compile + Inductor, custom ops off), 0.11 to 0.33",
+            source=f"{_ER} s4.1-4.4, s5: forward_native traced into Inductor, explicit casts elided",
+        ),
+        Profile(
+            name="vllm-eager",
+            **{**_HF, "rope": "bf16/once"},
+            engines="vLLM >= 0.23 with enforce_eager=True (CUDA custom ops)",
+            source=f"{_ER} s4.2-4.4: rms_norm/fused_add_rms_norm kernels = HF; rotary kernel fp32 math, bf16 cache",
+        ),
+        Profile(
+            name="vllm-eager-legacy",
+            **_HF,
+            engines="vLLM <= 0.17 with enforce_eager=True (CUDA custom ops)",
+            source=f"{_ER} s4.2-4.4: all four kernels round where HF does (scalar_t rotary arithmetic)",
+        ),
+        Profile(
+            name="sglang",
+            rms_norm="round_after_weight",
+            qk_norm="round_after_weight",
+            residual="normalize_fp32_sum",
+            rope=HeadDimRope(head_dims=(64, 128, 256, 512), rule="fp32/once", other="bf16/per_op"),
+            swiglu="once",
+            expert_swiglu="once",
+            engines="SGLang 0.5.x default CUDA path (no torch.compile), FlashInfer norms",
+            source=f"{_ER} s6, s7: FlashInfer rmsnorm/fused_add_rmsnorm, JIT rope.cuh (fp32 cache), activation.cuh",
+        ),
+        Profile(
+            name="aligned",
+            rms_norm="round_after_weight",
+            qk_norm="round_after_weight",
+            residual="normalize_fp32_sum",
+            rope="fp32/once",
+            swiglu="once",
+            expert_swiglu="once",
+            engines="the paper's rule (Ke, Cai, Wang): fp32 until each region's bf16 output, fp32 cos/sin",
+            source="Where Rounding Happens Matters; FlashInfer/TE formulas in " + _ER + " s7, s9",
+        ),
+        Profile(
+            name="liger",
+            **_HF,
+            engines="Liger-Kernel casting_mode='llama' (default) on Llama/Qwen",
+            source=f"{_ER} s8: rms_norm llama mode, rope in cos/sin dtype, swiglu casts silu first",
+        ),
+        Profile(
+            name="te",
+            rms_norm="round_after_weight",
+            qk_norm="round_after_weight",
+            residual="normalize_rounded_sum",
+            rope="fp32/once",
+            swiglu="once",
+            expert_swiglu="once",
+            engines="NVIDIA TransformerEngine (Megatron adds the residual separately, in bf16)",
+            source=f"{_ER} s9: rmsnorm_fwd_kernels.cuh, fused_rope.cu, swiglu.cu",
+        ),
+    ]
+}
+
+
+def list_profiles() -> list[str]:
+    """Names of the built-in profiles."""
+    return list(PROFILES)
+
+
+def get_profile(name: str | Profile) -> Profile:
+    """A built-in profile by name (a Profile is returned as is)."""
+    if isinstance(name, Profile):
+        return name
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
+            "(or pass a Profile, e.g. Profile.load(path))"
+        ) from None
