@@ -1,0 +1,203 @@
+"""The ``roundalign`` command line.
+
+Usage::
+
+    roundalign profiles                 # every built-in profile: engines covered, one formula per region
+    roundalign profiles --sources       # ... plus where each profile was read
+    roundalign profiles vllm            # one profile in detail: rule, formula, whether it differs from HF
+    roundalign profiles --json          # all profiles as JSON (a list of Profile.to_dict())
+    roundalign profiles vllm --json     # one profile as JSON; Profile.load() reads it back
+
+Formulas use the notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16, everything
+inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
+
+Each subcommand is a ``Command`` in ``COMMANDS``: a name, a one-line help, a function that adds its arguments
+to an argparse subparser, and a function that runs it and returns the exit status. Adding a subcommand
+(``probe``, ``train``, ``fit``, ``fingerprint``) means writing those two functions and registering them with
+``@command(...)``; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
+error (argparse's own errors and unknown profile names alike).
+
+The tables need ``rich`` (the ``[cli]`` extra); ``--json`` works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from roundalign.profiles import REGIONS, Profile, get_profile, list_profiles
+
+# Exit statuses.
+OK, MISSING_DEPENDENCY, USAGE = 0, 1, 2
+
+# The profile-per-row overview needs about this many columns; narrower terminals get a row per region.
+WIDE = 150
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register the decorated ``run(args) -> int`` as subcommand ``name``."""
+
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        if name in COMMANDS:
+            raise ValueError(f"subcommand {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, add_arguments, run)
+        return run
+
+    return register
+
+
+def _error(message: str) -> None:
+    print(f"roundalign: error: {message}", file=sys.stderr)
+
+
+def _console():
+    """A rich Console, or None (after saying how to get rich) when the [cli] extra is missing."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        _error("the tables need rich, which is in the [cli] extra: pip install 'roundalign[cli]' (or use --json)")
+        return None
+    console = Console()
+    # Piped or captured output gets a fixed wide width, so that no formula is ever wrapped or cut.
+    return console if console.is_terminal else Console(width=240)
+
+
+# -----------------------------------------------------------------------------
+# roundalign profiles [NAME] [--sources] [--json]
+
+
+def _profiles_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())})")
+    parser.add_argument("--sources", action="store_true", help="add the column saying where each profile was read")
+    parser.add_argument("--json", action="store_true", help="print JSON (Profile.to_dict) instead of a table")
+
+
+def _display(formula: str) -> str:
+    # "R=r(a+h); norm(R)" and SGLang's "head_dim in {...}: ...; else ..." read better on two lines.
+    return formula.replace("; ", ";\n")
+
+
+def _cell(p: Profile, region: str, formula: str) -> str:
+    # Rules that stock HF shares are dimmed, so what a profile changes stands out.
+    text = _display(formula)
+    return text if getattr(p, region) != getattr(get_profile("hf"), region) else f"[dim]{text}[/dim]"
+
+
+def _overview_table(profiles: list[Profile], sources: bool, width: int):
+    """One row per profile when the screen is wide enough to compare regions side by side, else one per region."""
+    from rich.table import Table
+
+    wide = width >= WIDE
+    table = Table(
+        title="roundalign built-in profiles",
+        caption="r(.) rounds fp32 to bf16; nu(x) = rsqrt(mean(x^2) + eps); dim = same as stock HF",
+        show_lines=wide,
+    )
+    table.add_column("profile", style="bold cyan", no_wrap=True)
+    table.add_column("engines", min_width=20, ratio=1)
+    for region in REGIONS if wide else ("region", "formula"):
+        table.add_column(region, overflow="fold", no_wrap=region == "region")
+    if sources:
+        table.add_column("source", min_width=20, ratio=1, style="dim", overflow="fold")
+    for p in profiles:
+        source = [p.source] if sources else []
+        formulas = p.describe()
+        if wide:
+            table.add_row(p.name, p.engines, *(_cell(p, r, formulas[r]) for r in REGIONS), *source)
+            continue
+        for i, r in enumerate(REGIONS):
+            first = i == 0
+            table.add_row(
+                p.name if first else "",
+                p.engines if first else "",
+                r,
+                _cell(p, r, formulas[r]),
+                *(source if first else [""] * len(source)),
+                end_section=i == len(REGIONS) - 1,
+            )
+    return table
+
+
+def _detail_table(p: Profile):
+    from rich.table import Table
+
+    hf = get_profile("hf")
+    table = Table(title=f"profile {p.name}", caption=f"engines: {p.engines}\nsource: {p.source}", show_lines=True)
+    table.add_column("region", style="bold cyan", no_wrap=True)
+    table.add_column("rule", no_wrap=True)
+    table.add_column("formula", no_wrap=True)
+    table.add_column("differs from HF", no_wrap=True)
+    for region, text in p.describe().items():
+        rule = getattr(p, region)
+        table.add_row(region, str(rule), _display(text), "yes" if rule != getattr(hf, region) else "no")
+    return table
+
+
+@command("profiles", "list the built-in rounding profiles, or show one", _profiles_arguments)
+def _profiles(args: argparse.Namespace) -> int:
+    if args.name is not None:
+        if args.name not in list_profiles():
+            _error(f"unknown profile {args.name!r}; the built-in profiles are: {', '.join(list_profiles())}")
+            return USAGE
+        profiles = [get_profile(args.name)]
+    else:
+        profiles = [get_profile(name) for name in list_profiles()]
+
+    if args.json:
+        # One profile is a single object (Profile.load reads it back); all of them, a list.
+        data = profiles[0].to_dict() if args.name is not None else [p.to_dict() for p in profiles]
+        print(json.dumps(data, indent=2))
+        return OK
+
+    console = _console()
+    if console is None:
+        return MISSING_DEPENDENCY
+    if args.name is not None:
+        console.print(_detail_table(profiles[0]))
+    else:
+        console.print(_overview_table(profiles, args.sources, console.width))
+    return OK
+
+
+# -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from roundalign import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="roundalign",
+        description="Make an RL trainer round to bf16 where its rollout engine (vLLM, SGLang) does.",
+    )
+    parser.add_argument("--version", action="version", version=f"roundalign {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS.values():
+        cmd.add_arguments(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit status.
+
+    argparse's own usage errors raise ``SystemExit(2)`` as usual.
+    """
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The ``roundalign`` CLI: ``main(argv)`` in-process, and the installed console script once in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from roundalign import Profile, get_profile, list_profiles
+from roundalign.cli import COMMANDS, main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_profiles_table_lists_every_profile_and_vllm_formulas(capsys):
+    status, out, _ = run(capsys, "profiles")
+    assert status == 0
+    for name in list_profiles():
+        assert name in out
+    for formula in get_profile("vllm").describe().values():
+        for line in formula.split("; "):  # the table puts "a; b" formulas on two lines
+            assert line in out, line
+    assert "r(x*nu(x)*w)" in out
+    assert "r(x1*c16-x2*s16)" in out
+    assert "r(silu(g)*u)" in out
+
+
+def test_profiles_sources_adds_the_source_column(capsys):
+    _, without, _ = run(capsys, "profiles")
+    status, with_sources, _ = run(capsys, "profiles", "--sources")
+    assert status == 0
+    assert "source" not in without.split("\n")[2]  # the header row
+    assert "engine-rounding.md" in with_sources
+
+
+def test_profile_detail_shows_rules_formulas_engines_and_source(capsys):
+    vllm = get_profile("vllm")
+    status, out, _ = run(capsys, "profiles", "vllm")
+    assert status == 0
+    for region, formula in vllm.describe().items():
+        assert region in out
+        assert str(getattr(vllm, region)) in out
+        assert formula.split("; ")[0] in out
+    assert "Inductor" in out  # from engines
+    assert "engine-rounding.md" in out  # from source
+
+
+def test_json_round_trips_to_the_builtin_profiles(capsys):
+    status, out, _ = run(capsys, "profiles", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert [d["name"] for d in data] == list_profiles()
+    for d in data:
+        loaded = Profile.from_dict(d)
+        assert loaded == get_profile(d["name"])
+        assert loaded.source == get_profile(d["name"]).source  # source is compare=False; check it anyway
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang"])  # sglang's rope is the head-dim-dependent kind
+def test_json_for_one_profile_is_loadable(capsys, tmp_path, name):
+    status, out, _ = run(capsys, "profiles", name, "--json")
+    assert status == 0
+    path = tmp_path / f"{name}.json"
+    path.write_text(out)
+    assert Profile.load(path) == get_profile(name)
+
+
+def test_unknown_profile_exits_2_and_lists_the_profiles(capsys):
+    status, out, err = run(capsys, "profiles", "no-such-engine")
+    assert status == 2
+    assert out == ""
+    assert "no-such-engine" in err
+    for name in list_profiles():
+        assert name in err
+
+
+def test_missing_rich_says_how_to_install_it(capsys, monkeypatch):
+    for mod in [m for m in sys.modules if m == "rich" or m.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich...` raise ImportError
+    status, out, err = run(capsys, "profiles")
+    assert status == 1
+    assert "pip install 'roundalign[cli]'" in err
+    # --json needs no rich.
+    status, out, _ = run(capsys, "profiles", "--json")
+    assert status == 0 and json.loads(out)
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["profiles", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_subcommands_are_registered():
+    assert "profiles" in COMMANDS
+    assert all(c.help for c in COMMANDS.values())
+
+
+def test_console_script_runs_in_a_subprocess():
+    # The installed entry point if it sits next to this interpreter (a venv), else the module.
+    script = Path(sys.executable).with_name("roundalign")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "roundalign.cli"]
+    env = {**os.environ, "COLUMNS": "80"}  # piped output still gets the wide table
+    done = subprocess.run([*cmd, "profiles"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "r(x*nu(x)*w)" in done.stdout
+    for name in list_profiles():
+        assert name in done.stdout
+    bad = subprocess.run([*cmd, "profiles", "nope"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2
+    assert "vllm-eager-legacy" in bad.stderr
