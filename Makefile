@@ -1,0 +1,45 @@
+# roundalign: make test | make demo | make lint
+#
+# Every target that runs code first makes .venv (python3 -m venv) and installs into it, once:
+#   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
+#      a multi-GB CUDA build, while a pinned version that is already on the machine (CPU wheel) installs in
+#      seconds.
+#   2. roundalign itself, editable, with the [dev] extra (pytest, hypothesis, ruff, rich, ...).
+# A stamp file inside .venv records that; it is redone when pyproject.toml changes. To reinstall by hand,
+# `make clean-venv` (or `rm .venv/.installed`). Override the pin with e.g. `make test TORCH_SPEC=torch==2.14.0`.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+
+PY    := $(VENV)/bin/python
+PIP   := $(PY) -m pip --disable-pip-version-check --quiet
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo lint format-check clean-venv
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/roundalign profiles
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests
+
+# Not part of lint yet: not every module is ruff-formatted.
+format-check: $(STAMP)
+	$(PY) -m ruff format --check src tests
+
+clean-venv:
+	rm -rf $(VENV)
