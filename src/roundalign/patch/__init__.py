@@ -1,0 +1,132 @@
+"""``apply`` and ``revert``: give an HF model instance an engine's rounding points, and take them away again.
+
+``apply`` swaps the class of each element-wise module (RMSNorm, MLP / experts, attention, decoder layer, rotary
+embedding) for its ``Aligned*`` subclass and stores the profile's rule on the instance. Parameters, buffers and
+state_dict keys are untouched, so checkpoints load and save as before. Patch before wrapping the model (FSDP,
+DDP, torch.compile), as verl and TRL patch with Liger.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from roundalign.patch.registry import FAMILIES, Family
+from roundalign.profiles import Profile, get_profile
+from roundalign.rotary import check_rope, engine_inv_freq
+
+_FAMILY_MODULES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+_SWIGLU_ACTS = ("silu", "swish")
+
+
+def supported_model_types() -> list[str]:
+    return list(_FAMILY_MODULES)
+
+
+def _family_of(model) -> Family:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _FAMILY_MODULES:
+        raise ValueError(
+            f"roundalign does not support model_type {model_type!r}; supported: {', '.join(_FAMILY_MODULES)} "
+            "(Qwen2 covers Qwen2.5)"
+        )
+    importlib.import_module(f"roundalign.patch.{model_type}")
+    return FAMILIES[model_type]
+
+
+def patched_profile(model) -> Profile | None:
+    """The profile a model was patched with, or None."""
+    return getattr(model, "_roundalign_profile", None)
+
+
+def _check_dtype(model, allow_non_bf16: bool) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes <= {torch.bfloat16} or allow_non_bf16:
+        return
+    names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+    raise TypeError(
+        f"roundalign.apply needs a bf16 model, got parameters in {names}. The profiles say where a bf16 engine "
+        "rounds; in fp32 nothing would round and in fp16 the rounding differs. Load with "
+        "dtype=torch.bfloat16 or call model.to(torch.bfloat16) first. For fp32 master weights that are computed "
+        "in bf16 (FSDP MixedPrecision, autocast), pass allow_non_bf16=True: the ops then round to bf16 at the "
+        "profile's rounding points from whatever dtype they receive."
+    )
+
+
+def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = False, **region_overrides):
+    """Patch ``model`` in place so that its trainer numerics round where ``profile``'s engine does.
+
+    Args:
+        model: an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama model (``*ForCausalLM`` or its base model) in bf16.
+        profile: a built-in profile name (``roundalign.list_profiles()``) or a ``Profile``.
+        allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it).
+        **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
+
+    Returns the model. ``hf`` (stock HF eager) leaves every module as it is and only records the profile.
+    Applying the same profile twice is a no-op; applying a different one raises: ``revert`` first.
+    """
+    prof = get_profile(profile).replace(**region_overrides)
+    family = _family_of(model)
+    current = patched_profile(model)
+    if current is not None:
+        if current == prof:
+            return model
+        raise RuntimeError(
+            f"model is already patched with profile {current.name!r}; call roundalign.revert(model) before "
+            f"applying {prof.name!r}"
+        )
+    _check_dtype(model, allow_non_bf16)
+    config = model.config
+    if prof.name != "hf":
+        _patch_modules(model, family, prof, config)
+    model._roundalign_profile = prof
+    return model
+
+
+def _patch_modules(model, family: Family, prof: Profile, config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in _SWIGLU_ACTS:
+        raise ValueError(f"roundalign's SwiGLU rules need hidden_act='silu', got {act!r}")
+    check_rope(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = prof.rope_for(head_dim)
+    rules = {
+        "norm": lambda name: {"_roundalign_rule": str(prof.qk_norm if name.endswith(("q_norm", "k_norm"))
+                                                       else prof.rms_norm)},
+        "mlp": lambda name: {"_roundalign_rule": prof.swiglu},
+        "experts": lambda name: {"_roundalign_rule": prof.expert_swiglu},
+        "attention": lambda name: {"_roundalign_rope": rope.rounding},
+        "decoder_layer": lambda name: {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name},
+    }
+    swapped = 0
+    for name, module in model.named_modules():
+        hit = family.aligned_for(module)
+        if hit is None:
+            continue
+        role, aligned = hit
+        if role == "rotary":
+            inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)
+            attrs = {"_roundalign_rope": rope, "_roundalign_inv_freq": inv_freq, "_roundalign_scaling": scaling}
+        else:
+            attrs = rules[role](name)
+        module.__class__ = aligned
+        for key, value in attrs.items():
+            setattr(module, key, value)
+        swapped += role == "decoder_layer"
+    if not swapped:
+        raise ValueError(f"found no {family.model_type} decoder layers to patch in {type(model).__name__}")
+
+
+def revert(model):
+    """Undo ``apply``: every module gets its HF class back, and stock HF numerics return exactly."""
+    for module in model.modules():
+        hf_cls = getattr(type(module), "_roundalign_hf_class", None)
+        if hf_cls is not None:
+            module.__class__ = hf_cls
+        for key in [k for k in vars(module) if k.startswith("_roundalign_")]:
+            delattr(module, key)
+    return model
+
+
+__all__ = ["apply", "patched_profile", "revert", "supported_model_types"]

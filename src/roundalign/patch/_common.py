@@ -1,0 +1,196 @@
+"""The aligned modules shared by every model family, as mixins placed in front of the HF classes.
+
+A patched module keeps its HF class, parameters and state_dict keys; only its ``__class__`` changes to
+``Aligned<HFClass>`` (a subclass defined in the family's file), whose ``forward`` runs ``roundalign.ops`` with the
+rule stored on the instance. ``revert`` puts the HF class back.
+
+The residual stream is the one structural change. Under ``normalize_fp32_sum`` the norm after a residual add must
+read the fp32 sum ``S = a + h``, while the residual carried forward is ``R = r(S)``. Across a layer boundary that
+needs both, so an aligned decoder layer returns the pair ``(R, S)`` instead of ``R``:
+
+- HF's model loop passes the pair to the next layer (and the last one to the final norm) untouched;
+- ``output_hidden_states`` records ``output[0] = R``, the same bf16 tensor stock HF records;
+- gradient checkpointing (non-reentrant, HF's default) checkpoints the pair like any other input;
+- generation and the KV cache only see q/k/v inside attention, which are unchanged.
+
+Under ``normalize_rounded_sum`` a layer returns ``R`` alone, exactly as stock HF does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roundalign import ops
+from roundalign.profiles import ResidualRule, RopeRounding, SwiGLURule
+
+
+def _carried(hidden_states):
+    """Split what a layer receives into (residual R, what the norm reads)."""
+    if isinstance(hidden_states, tuple):
+        return hidden_states
+    return hidden_states, hidden_states
+
+
+class AlignedRMSNorm:
+    """RMSNorm with ``_roundalign_rule``; reads the fp32 sum when handed an ``(R, S)`` pair (the final norm)."""
+
+    _roundalign_rule: str
+
+    def forward(self, hidden_states):
+        _, x = _carried(hidden_states)
+        return ops.rms_norm(x, self.weight, self.variance_epsilon, self._roundalign_rule)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, rule={self._roundalign_rule}"
+
+
+class AlignedMLP:
+    """Dense SwiGLU MLP: ``down(swiglu(gate(x), up(x)))`` with ``_roundalign_rule``."""
+
+    _roundalign_rule: SwiGLURule
+
+    def forward(self, x):
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self._roundalign_rule))
+
+    def extra_repr(self) -> str:
+        return f"swiglu={self._roundalign_rule}"
+
+
+class AlignedAttention:
+    """HF attention with RoPE (and Qwen3's q/k norm) through ``roundalign.ops``; projections and kernel unchanged."""
+
+    _roundalign_rope: RopeRounding
+    _hf_eager_attention = None  # the family module's eager_attention_forward, set by define_family
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if "past_key_values" in kwargs:  # HF 5.x still accepts the old name through deprecate_kwarg
+            cache = kwargs.pop("past_key_values")
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, D)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if hasattr(self, "q_norm"):  # Qwen3: per-head norm before RoPE; fp32 out under fused_into_rope
+            query, key = self.q_norm(query), self.k_norm(key)
+
+        cos, sin = position_embeddings  # (B, T, D), dtype per the profile's cos/sin rule
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        low = value.dtype
+        query = ops.rope(query.transpose(1, 2), cos, sin, self._roundalign_rope, out_dtype=low)  # (B, H, T, D)
+        key = ops.rope(key.transpose(1, 2), cos, sin, self._roundalign_rope, out_dtype=low)
+
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._hf_eager_attention)
+        if hasattr(self, "sliding_window"):  # Qwen2/Qwen3 pass it; Llama's attention has none
+            kwargs["sliding_window"] = self.sliding_window
+        attn_output, attn_weights = interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def extra_repr(self) -> str:
+        return f"rope={self._roundalign_rope}"
+
+
+class AlignedDecoderLayer:
+    """Pre-norm decoder layer whose residual adds follow ``_roundalign_residual`` (see the module docstring)."""
+
+    _roundalign_residual: ResidualRule
+    _roundalign_profile: str
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        if "past_key_values" in kwargs:
+            cache = kwargs.pop("past_key_values")
+        _check_checkpointing(self)
+        residual, x = _carried(hidden_states)
+        x = self.input_layernorm(x)
+        x, _ = self.self_attn(
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        residual, x = ops.residual_add(x, residual, self._roundalign_residual)  # R, and what the norm reads
+        x = self.post_attention_layernorm(x)
+        x = self.mlp(x)
+        residual, x = ops.residual_add(x, residual, self._roundalign_residual)
+        if self._roundalign_residual is ResidualRule.NORMALIZE_FP32_SUM:
+            return residual, x  # (R, S): the next norm reads S, the next add reads R
+        return residual
+
+    def extra_repr(self) -> str:
+        return f"profile={self._roundalign_profile}, residual={self._roundalign_residual}"
+
+
+def _check_checkpointing(layer) -> None:
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    if not (layer.gradient_checkpointing and layer.training and func is not None):
+        return
+    if getattr(func, "keywords", {}).get("use_reentrant", False):
+        raise RuntimeError(
+            "roundalign: reentrant gradient checkpointing cannot carry the (R, S) residual pair between layers "
+            "(gradients would not reach S). Enable it with "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), "
+            "HF's default."
+        )
+
+
+class AlignedExperts:
+    """MoE experts (HF ``*Experts`` with 3D gate_up_proj/down_proj) with ``_roundalign_rule`` for their SwiGLU."""
+
+    _roundalign_rule: SwiGLURule
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        # Used by HF's grouped_mm / batched_mm expert implementations, and by the eager loop below.
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return ops.swiglu(gate, up, self._roundalign_rule)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        impl = getattr(self.config, "_experts_implementation", None) or "eager"
+        if impl != "eager":
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            return ALL_EXPERTS_FUNCTIONS.get_interface(impl, None)(self, hidden_states, top_k_index, top_k_weights)
+        # HF's eager loop (qwen3_moe Qwen3MoeExperts.forward), with the SwiGLU through _apply_gate.
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+            out = torch.nn.functional.linear(self._apply_gate(gate_up), self.down_proj[expert_idx])
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, swiglu={self._roundalign_rule}"

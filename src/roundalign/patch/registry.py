@@ -1,0 +1,74 @@
+"""Model families, keyed by ``config.model_type``, and the aligned classes each one swaps in.
+
+A family names its HF module classes; ``define_family`` creates ``Aligned<HFClass>`` for each (the shared mixin
+from ``_common`` in front of the HF class) inside the family's own module, so that the classes have importable
+names (pickle, ``print(model)``) and one file per family stays a short, readable declaration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from roundalign.patch._common import (
+    AlignedAttention,
+    AlignedDecoderLayer,
+    AlignedExperts,
+    AlignedMLP,
+    AlignedRMSNorm,
+)
+from roundalign.rotary import AlignedRotary
+
+_MIXINS = {
+    "norm": AlignedRMSNorm,
+    "mlp": AlignedMLP,
+    "attention": AlignedAttention,
+    "decoder_layer": AlignedDecoderLayer,
+    "rotary": AlignedRotary,
+    "experts": AlignedExperts,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF model family: which HF class becomes which aligned class, by role."""
+
+    model_type: str
+    swaps: dict[str, tuple[type, type]] = field(default_factory=dict)  # role -> (HF class, aligned class)
+    has_qk_norm: bool = False
+
+    def aligned_for(self, module) -> tuple[str, type] | None:
+        """(role, aligned class) for an HF module of this family, or None if it is not patched."""
+        for role, (hf_cls, aligned_cls) in self.swaps.items():
+            if type(module) is hf_cls:
+                return role, aligned_cls
+        return None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def define_family(model_type: str, namespace: dict, has_qk_norm: bool = False, **hf_classes: type) -> Family:
+    """Create ``Aligned<HFClass>`` for each ``role=HFClass`` in the caller's module and register the family."""
+    swaps = {}
+    for role, hf_cls in hf_classes.items():
+        name = f"Aligned{hf_cls.__name__}"
+        attrs = {
+            "__module__": namespace["__name__"],
+            "__qualname__": name,
+            "__doc__": _MIXINS[role].__doc__,
+            "_roundalign_hf_class": hf_cls,  # what revert() restores
+        }
+        if role == "attention":
+            attrs["_hf_eager_attention"] = staticmethod(_eager_attention_of(hf_cls))
+        aligned = type(name, (_MIXINS[role], hf_cls), attrs)
+        namespace[name] = aligned
+        swaps[role] = (hf_cls, aligned)
+    family = Family(model_type=model_type, swaps=swaps, has_qk_norm=has_qk_norm)
+    FAMILIES[model_type] = family
+    return family
+
+
+def _eager_attention_of(hf_cls: type):
+    import sys
+
+    return sys.modules[hf_cls.__module__].eager_attention_forward
