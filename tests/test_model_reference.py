@@ -330,3 +330,23 @@ def test_rope_scaling_engine_angles(kind):
 
     for profile in ("vllm", "aligned", "sglang"):
         check_patched(kind, profile, cases=("nopad", "leftpad-pos"))
+
+
+# ------------------------------------------------------------------------ Qwen3-MoE default experts ----
+
+
+@pytest.mark.parametrize("profile", ["hf", "vllm", "sglang"])
+def test_moe_default_experts_implementation(profile):
+    """Built without experts_implementation="eager", HF 5.24 picks "grouped_mm" for Qwen3-MoE. The reference
+    mirrors the eager expert loop; on this CPU build the two agree bitwise, unpatched and patched (vllm rounds
+    silu in the experts, sglang does not)."""
+    _, sd, _, ids = build("qwen3_moe")
+    cfg = make_config("qwen3_moe")  # fresh: build() set "eager" on its own config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    assert model.config._experts_implementation == "grouped_mm"
+    model.load_state_dict(sd)
+    roundalign.apply(model, profile)
+    try:
+        assert torch.equal(logits(model, ids, "leftpad"), ref(model, cfg, ids, profile, "leftpad"))
+    finally:
+        roundalign.revert(model)
