@@ -9,8 +9,9 @@ explicit cast, ``r(t) = t.to(out_dtype)``. This module makes two custom ops from
   would lose its rounding points. As an opaque op it runs exactly as in eager mode, and compiled numerics equal
   eager numerics bit for bit.
 - ``roundalign::<name>_backward`` recomputes the formula under autograd and returns its vector-Jacobian product.
-  Only the op's inputs (bf16) are saved for backward, never the fp32 intermediates, so the saved activation bytes
-  stay at or below stock HF's for the same region.
+  Only the op's inputs (bf16) are saved for backward, never the fp32 intermediates, and only those whose values the
+  backward reads (RoPE's ``x`` and the residual add's operands are not), so the saved activation bytes stay at or
+  below stock HF's for the same region.
 
 The gradient is therefore autograd's gradient of the formula itself: a rule that rounds once is written as
 ``(fp32 formula).to(bf16)``, whose casts are straight-through in backward, so its gradient is the gradient of the
@@ -51,6 +52,18 @@ def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, g
     return tuple(pullback(tuple(grads)))
 
 
+def _unalias(outs: tuple, inputs: tuple) -> tuple:
+    """A custom op may not return its inputs or one tensor twice; the VJP of an add does both, so copy those."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    fresh = []
+    for t in outs:
+        ptr = t.untyped_storage().data_ptr()
+        # Contiguous, as the fake kernel promises (a transposed input's grad may come back with other strides).
+        fresh.append(t.clone(memory_format=torch.contiguous_format) if ptr in seen else t.contiguous())
+        seen.add(ptr)
+    return tuple(fresh)
+
+
 def define(
     name: str,
     formula: Callable,
@@ -58,11 +71,15 @@ def define(
     consts: Sequence[tuple[str, str]],
     n_out: int,
     diff: Sequence[int],
+    needed: Sequence[int] | None = None,
 ):
     """Register ``roundalign::name`` and its backward from ``formula(*tensors, *consts)``.
 
     ``consts`` are (schema type, name) pairs, e.g. ``("float", "eps")``; ``diff`` indexes the tensor inputs that
-    get gradients. Returns a callable with autograd support.
+    get gradients. ``needed`` indexes the tensor inputs whose values the backward reads (default: all). Leave out
+    an input the formula is linear in when nothing else needs its value (RoPE's ``x``, a residual add's operands):
+    its vector-Jacobian product does not depend on it, so it is not saved, and the backward recomputes the formula
+    with a zero of the same shape and dtype in its place. Returns a callable with autograd support.
     """
     t_args = ", ".join(f"Tensor {t}" for t in tensors)
     c_args = "".join(f", {ty} {n}" for ty, n in consts)
@@ -70,6 +87,7 @@ def define(
     grads_in = ", ".join(f"Tensor grad{i}" for i in range(n_out))
     grads_out = "(" + ", ".join(["Tensor"] * len(diff)) + ")" if len(diff) > 1 else "Tensor"
     nt = len(tensors)
+    needed = tuple(range(nt)) if needed is None else tuple(needed)
 
     def forward_impl(*args):
         with torch.no_grad():
@@ -82,7 +100,7 @@ def define(
 
     def backward_impl(*args):
         grads, rest = args[:n_out], args[n_out:]
-        got = _vjp(formula, rest[:nt], rest[nt:], grads, diff)
+        got = _unalias(_vjp(formula, rest[:nt], rest[nt:], grads, diff), args)
         return got if len(diff) > 1 else got[0]
 
     bwd = torch.library.custom_op(
@@ -95,15 +113,19 @@ def define(
     @bwd.register_fake
     def _(*args):
         rest = args[n_out:]
-        got = tuple(torch.empty_like(rest[i]) for i in diff)
+        got = tuple(rest[i].new_empty(rest[i].shape) for i in diff)
         return got if len(diff) > 1 else got[0]
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:nt])
+        ctx.save_for_backward(*(inputs[i] for i in needed))
+        ctx.unsaved = {i: (t.shape, t.dtype, t.device) for i, t in enumerate(inputs[:nt]) if i not in needed}
         ctx.consts = inputs[nt:]
 
     def backward(ctx, *grads):
-        got = bwd(*grads, *ctx.saved_tensors, *ctx.consts)
+        saved = dict(zip(needed, ctx.saved_tensors))
+        for i, (shape, dtype, device) in ctx.unsaved.items():
+            saved[i] = torch.zeros((), dtype=dtype, device=device).expand(shape)  # stands in for an unsaved input
+        got = bwd(*grads, *(saved[i] for i in range(nt)), *ctx.consts)
         got = got if isinstance(got, tuple) else (got,)
         per_input = [None] * (nt + len(consts))
         for i, g in zip(diff, got):

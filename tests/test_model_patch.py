@@ -1,0 +1,158 @@
+"""apply/revert on the four families: transparency, state_dict, printing and the documented errors.
+
+Invariants:
+- ``hf`` is a no-op, and a profile whose every rule is HF's (``vllm-eager-legacy``) goes through the whole aligned
+  machinery yet equals stock HF bitwise, logits and every parameter gradient: the machinery adds no rounding.
+- ``revert`` restores stock numerics exactly; state_dict keys and values never change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import roundalign
+from tests.models import FAMILIES, build, config, loss_and_grads, token_ids
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("profile", ["hf", "vllm-eager-legacy", "liger"])
+def test_hf_rules_equal_stock_logits_and_grads(family, profile):
+    ids = token_ids()
+    stock = build(family)
+    patched = build(family)
+    roundalign.apply(patched, profile)
+    logits_s, grads_s = loss_and_grads(stock, ids)
+    logits_p, grads_p = loss_and_grads(patched, ids)
+    assert torch.equal(logits_s, logits_p)
+    _assert_same(grads_s, grads_p)
+    assert len(grads_p) == len(list(patched.parameters()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_profile_changes_logits_and_revert_restores(family):
+    ids = token_ids()
+    model = build(family)
+    stock = model(ids).logits
+    roundalign.apply(model, "vllm")
+    aligned = model(ids).logits
+    equal = (aligned == stock).float().mean().item()
+    print(f"{family}: vllm vs stock, {equal:.1%} of logits bitwise equal")
+    assert equal < 0.9, "the vllm profile should move most logits"
+    roundalign.revert(model)
+    assert roundalign.patched_profile(model) is None
+    assert torch.equal(model(ids).logits, stock)
+    assert not any(type(m).__name__.startswith("Aligned") for m in model.modules())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_unchanged_and_checkpoint_round_trip(family, tmp_path):
+    model = build(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    roundalign.apply(model, "aligned")
+    after = model.state_dict()
+    _assert_same(before, after)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                                attn_implementation="eager")
+    _assert_same(before, loaded.state_dict())
+    roundalign.apply(loaded, "aligned")
+    ids = token_ids()
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_print_shows_profile_and_rules():
+    model = roundalign.apply(build("qwen3"), "vllm")
+    text = str(model)
+    assert "AlignedQwen3DecoderLayer" in text
+    assert "profile=vllm, residual=normalize_fp32_sum" in text
+    assert "(q_norm): AlignedQwen3RMSNorm((16,), eps=1e-06, rule=round_after_weight)" in text
+    assert "rope=bf16/once" in text and "swiglu=once" in text
+
+
+def test_qwen3_moe_experts_get_expert_rule():
+    model = roundalign.apply(build("qwen3_moe"), "vllm")
+    layer0, layer1 = model.model.layers[0], model.model.layers[1]
+    assert type(layer0.mlp.experts).__name__ == "AlignedQwen3MoeExperts"
+    assert str(layer0.mlp.experts._roundalign_rule) == "round_silu"  # vLLM's fused MoE rounds silu first
+    assert type(layer1.mlp).__name__ == "AlignedQwen3MoeMLP"  # mlp_only_layers=[1]: dense, dense rule
+    assert str(layer1.mlp._roundalign_rule) == "once"
+
+
+def test_override_one_region():
+    model = roundalign.apply(build("qwen3"), "vllm", rope="fp32/once", qk_norm="fused_into_rope")
+    prof = roundalign.patched_profile(model)
+    assert prof.name == "vllm+qk_norm=fused_into_rope,rope=fp32/once"
+    assert str(prof.rope) == "fp32/once" and str(prof.rms_norm) == "round_after_weight"
+    assert model.model.layers[0].self_attn.q_norm._roundalign_rule == "fused_into_rope"
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 1, dtype=torch.bfloat16), torch.arange(4)[None])
+    assert cos.dtype == torch.float32
+
+
+def test_sglang_head_dim_rule():
+    m64 = roundalign.apply(build("qwen3", head_dim=64, num_attention_heads=2, num_key_value_heads=1), "sglang")
+    m16 = roundalign.apply(build("qwen3"), "sglang")
+    assert str(m64.model.rotary_emb._roundalign_rope) == "fp32/once"
+    assert str(m16.model.rotary_emb._roundalign_rope) == "bf16/per_op"
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_model_type_lists_supported():
+    cfg = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model_type 'mistral'.*qwen2, qwen3, qwen3_moe, llama"):
+        roundalign.apply(model, "vllm")
+
+
+def test_different_profile_on_top_raises_same_is_noop():
+    model = roundalign.apply(build("llama"), "vllm")
+    assert roundalign.apply(model, "vllm") is model
+    with pytest.raises(RuntimeError, match=r"already patched with profile 'vllm'.*revert"):
+        roundalign.apply(model, "sglang")
+    roundalign.revert(model)
+    roundalign.apply(model, "sglang")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_bf16_model_raises_unless_opted_in(dtype):
+    model = build("qwen2", dtype=dtype)
+    with pytest.raises(TypeError, match=r"needs a bf16 model.*allow_non_bf16=True"):
+        roundalign.apply(model, "vllm")
+    roundalign.apply(model, "vllm", allow_non_bf16=True)
+    assert roundalign.patched_profile(model).name == "vllm"
+
+
+def test_unknown_profile_and_region():
+    with pytest.raises(ValueError, match="unknown profile 'vlm'"):
+        roundalign.apply(build("qwen2"), "vlm")
+    with pytest.raises(TypeError, match="unknown region"):
+        roundalign.apply(build("qwen2"), "vllm", layernorm="x")
+    with pytest.raises(ValueError, match="unknown swiglu rule 'twice'"):
+        roundalign.apply(build("qwen2"), "vllm", swiglu="twice")
+
+
+def test_unsupported_rope_type_raises():
+    model = build("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="rope_type 'dynamic' is not supported"):
+        roundalign.apply(model, "vllm")
+
+
+def test_reentrant_checkpointing_is_refused():
+    model = roundalign.apply(build("qwen3"), "vllm").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(RuntimeError, match="use_reentrant': False"):
+        model(token_ids()).logits.float().sum().backward()
+
+
+def test_config_builder_is_sane():
+    assert config("qwen3_moe").model_type == "qwen3_moe"
