@@ -213,7 +213,7 @@ _FORMULAS = {
     ("rms_norm", "round_after_weight"): "r(x*nu(x)*w)",
     ("qk_norm", "round_before_weight"): "r(w*r(q*nu(q)))",
     ("qk_norm", "round_after_weight"): "r(q*nu(q)*w)",
-    ("qk_norm", "fused_into_rope"): "q*nu(q)*w kept fp32 into RoPE",
+    ("qk_norm", "fused_into_rope"): "no rounding; RoPE rounds once: r(rope(q*nu(q)*w))",
     ("residual", "normalize_rounded_sum"): "R=r(a+h); norm(R)",
     ("residual", "normalize_fp32_sum"): "R=r(a+h); norm(a+h) in fp32",
     ("swiglu", "round_silu"): "r(r(silu(g))*u)",

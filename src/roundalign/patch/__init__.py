@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from roundalign.patch.registry import FAMILIES, Family
-from roundalign.profiles import Profile, get_profile
+from roundalign.profiles import Profile, QKNormRule, RopeRounding, get_profile
 from roundalign.rotary import check_rope, engine_inv_freq
 
 _FAMILY_MODULES = ("qwen2", "qwen3", "qwen3_moe", "llama")
@@ -96,7 +96,10 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
                                                        else prof.rms_norm)},
         "mlp": lambda name: {"_roundalign_rule": prof.swiglu},
         "experts": lambda name: {"_roundalign_rule": prof.expert_swiglu},
-        "attention": lambda name: {"_roundalign_rope": rope.rounding},
+        # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output, whatever
+        # the profile's RoPE rounding (which still applies where there is no q/k norm).
+        "attention": lambda name: {"_roundalign_rope": RopeRounding.ONCE if family.has_qk_norm
+                                   and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE else rope.rounding},
         "decoder_layer": lambda name: {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name},
     }
     swapped = 0
