@@ -47,13 +47,15 @@ def _add_rounded(a: torch.Tensor, h: torch.Tensor):
 
 def _add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype):
     s = h.to(compute_dtype(h)) + a.to(compute_dtype(a))  # S = h + a in fp32, not rounded
-    return s.to(out_dtype), s  # (R = r(S), S)
+    return s.to(out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
 
 
 _rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], [("float", "eps"), ("str", "rule"),
                                                                  ("ScalarType", "out_dtype")], 1, [0, 1])
-_add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1])
-_add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1])
+# The adds are linear: their backward reads no input values, so a and h are not saved.
+_add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
+_add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
+                          needed=[])
 
 
 def rms_norm(

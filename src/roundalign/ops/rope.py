@@ -36,7 +36,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, 
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 
-_rope_op = define("rope", _rope, ["x", "cos", "sin"], [("str", "rounding"), ("ScalarType", "out_dtype")], 1, [0])
+# RoPE is linear in x: the backward needs cos and sin only, so x is not saved.
+_rope_op = define("rope", _rope, ["x", "cos", "sin"], [("str", "rounding"), ("ScalarType", "out_dtype")], 1, [0],
+                  needed=[1, 2])
 
 
 def rope(
