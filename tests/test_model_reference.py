@@ -212,14 +212,6 @@ def test_vllm_reference_differs_from_hf(kind):
     assert not torch.equal(hf, vllm)
 
 
-_FUSED_PER_OP = pytest.mark.xfail(
-    strict=True,
-    reason="suspected roundalign bug: under qk_norm=fused_into_rope with a per_op RoPE rule, apply rounds "
-    "r(x1*c) and r(x2*s) of the fp32 norm output (three roundings); QKNormRule.FUSED_INTO_ROPE says RoPE's "
-    "output is the only rounding",
-)
-
-
 def _alternatives(region: str, model_type: str) -> list:
     """Every non-HF rule of a region that the family has."""
     if region == "qk_norm" and model_type not in ("qwen3", "qwen3_moe"):
@@ -239,7 +231,7 @@ def _alternatives(region: str, model_type: str) -> list:
 
 
 _REGION_CASES = [
-    pytest.param(kind, region, str(rule), marks=[_FUSED_PER_OP] if str(rule) == "fused_into_rope" else [])
+    (kind, region, str(rule))
     for kind in FAMILIES
     for region in REGIONS
     for rule in _alternatives(region, make_config(kind).model_type)
@@ -273,8 +265,8 @@ def test_qk_norm_overrides_on_vllm(kind, rule):
         "vllm",  # bf16/once
         "aligned",  # fp32/once
         "te",  # fp32/once, rounded-sum residual
-        pytest.param("hf", marks=_FUSED_PER_OP),  # bf16/per_op
-        pytest.param("sglang", marks=_FUSED_PER_OP),  # head_dim 32 -> bf16/per_op
+        "hf",  # bf16/per_op
+        "sglang",  # head_dim 32 -> bf16/per_op
     ],
 )
 def test_qk_norm_fused_into_rope_rounds_once(base):
