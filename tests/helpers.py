@@ -53,7 +53,7 @@ def mismatch_report(actual: torch.Tensor, expected: torch.Tensor, mask: torch.Te
     ulps = ulp_diff(actual, expected).reshape(-1)
     ab, eb = bits(actual).reshape(-1), bits(expected).reshape(-1)
     width = torch.finfo(actual.dtype).bits // 4
-    for pos, i in zip(idx[:limit].tolist(), flat.tolist()):
+    for pos, i in zip(idx[:limit].tolist(), flat.tolist(), strict=True):
         a, e = a_flat[i].item(), e_flat[i].item()
         ha = f"{int(ab[i]) & ((1 << (4 * width)) - 1):0{width}x}"
         he = f"{int(eb[i]) & ((1 << (4 * width)) - 1):0{width}x}"

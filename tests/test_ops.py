@@ -330,7 +330,7 @@ def exact_nu_rows(n_rows, d, g):
 
     Every row is a signed permutation of one base row with short significands (squares and their sum exact)."""
     base = tie_prone_bf16((d,), g, exp_range=(0, 2)).abs()
-    base = bf16_from_bits((bits(base).to(torch.int32) & ~0x1F))  # keep 2 significand bits: squares are short
+    base = bf16_from_bits(bits(base).to(torch.int32) & ~0x1F)  # keep 2 significand bits: squares are short
     ms = float(base.float().pow(2).mean())
     p = 4.0 ** (int(torch.tensor(ms).log2().item() // 2) + 1)
     eps = p - ms
@@ -613,7 +613,8 @@ def test_float64_turns_rounding_off():
     assert all(o.dtype == torch.float64 for o in outs)
     for o in outs[1:]:
         assert_bitwise_equal(o, outs[0], "rms_norm f64 rules")
-    cos, sin = torch.randn(3, 40, generator=g, dtype=torch.float64), torch.randn(3, 40, generator=g, dtype=torch.float64)
+    cos = torch.randn(3, 40, generator=g, dtype=torch.float64)
+    sin = torch.randn(3, 40, generator=g, dtype=torch.float64)
     assert_bitwise_equal(ops.rope(x, cos, sin, "per_op"), ops.rope(x, cos, sin, "once"), "rope f64")
     assert_bitwise_equal(ops.swiglu(x, x, "round_silu"), ops.swiglu(x, x, "once"), "swiglu f64")
     assert ops.swiglu(x, x, "once").dtype == torch.float64
@@ -687,9 +688,9 @@ def test_compiled_equals_eager(combo):
 
     eager_out, eager_grad = run(_regions)
     comp_out, comp_grad = run(torch.compile(_regions, fullgraph=True))
-    for i, (o1, o2) in enumerate(zip(comp_out, eager_out)):
+    for i, (o1, o2) in enumerate(zip(comp_out, eager_out, strict=True)):
         assert_bitwise_equal(o1, o2, f"{combo} output {i} compiled vs eager")
-    for i, (g1, g2) in enumerate(zip(comp_grad, eager_grad)):
+    for i, (g1, g2) in enumerate(zip(comp_grad, eager_grad, strict=True)):
         assert_bitwise_equal(g1, g2, f"{combo} grad {i} compiled vs eager")
 
 

@@ -20,7 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_
 import formulas as ref
 from helpers import assert_bitwise_equal, assert_not_bitwise_equal, sprinkle
 from roundalign import get_profile, list_profiles, ops
-from roundalign.profiles import RMSNormRule, ResidualRule, RopeRounding, SwiGLURule
+from roundalign.profiles import ResidualRule, RMSNormRule, RopeRounding, SwiGLURule
 
 BF16, FP32, F64 = torch.bfloat16, torch.float32, torch.float64
 EPS = 1e-6
@@ -49,7 +49,7 @@ def grads_of(fn, inputs, grad_outputs, leaf_dtype=None):
     outs = fn(*ls)
     outs = outs if isinstance(outs, tuple) else (outs,)
     torch.autograd.backward(outs, list(grad_outputs))
-    return [leaf.grad.to(t.dtype) for leaf, t in zip(ls, inputs)]
+    return [leaf.grad.to(t.dtype) for leaf, t in zip(ls, inputs, strict=True)]
 
 
 def assert_grads_equal(got, want, what):
@@ -389,7 +389,7 @@ def test_grad_profile_decoder_regions(name):
     with torch.no_grad():
         outs = layer(True)(*inputs)
         want_outs = layer(False)(*inputs)
-    for i, (o, w) in enumerate(zip(outs, want_outs)):
+    for i, (o, w) in enumerate(zip(outs, want_outs, strict=True)):
         assert_bitwise_equal(o, w, f"{name} forward output {i}")
     grad_outputs = [randn(o.shape, gen(100 + i)) for i, o in enumerate(outs)]
     got = grads_of(layer(True), inputs, grad_outputs)
@@ -421,7 +421,7 @@ def report(region, rule, ours, stock):
 
 def bf16_leaves(*shapes, g, scales=None):
     scales = scales or [1.0] * len(shapes)
-    return [randn(s, g, scale=k).requires_grad_() for s, k in zip(shapes, scales)]
+    return [randn(s, g, scale=k).requires_grad_() for s, k in zip(shapes, scales, strict=True)]
 
 
 @pytest.mark.parametrize("rule", RMS_RULES + ["fused_into_rope"])

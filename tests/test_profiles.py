@@ -109,7 +109,7 @@ def test_rope_for_is_constant_elsewhere(name):
 # ------------------------------------------------------------------------------------------------ parsing errors
 
 
-HF_RULES = dict(zip(REGIONS, FACT_SHEET["hf"]))
+HF_RULES = dict(zip(REGIONS, FACT_SHEET["hf"], strict=True))
 
 
 @pytest.mark.parametrize(
@@ -215,7 +215,7 @@ def test_replace_bad_value_is_a_value_error():
 
 
 def test_profiles_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         get_profile("hf").rms_norm = AFTER  # type: ignore[misc]
 
 
@@ -325,7 +325,7 @@ def test_describe_formulas(name):
     p = get_profile(name)
     d = p.describe()
     assert list(d) == list(REGIONS)
-    for region, rule in zip(REGIONS, FACT_SHEET[name]):
+    for region, rule in zip(REGIONS, FACT_SHEET[name], strict=True):
         assert d[region] == DESCRIBE[(region, rule)], f"{name} {region}"
 
 
