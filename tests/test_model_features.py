@@ -33,7 +33,7 @@ def test_generate_with_kv_cache(family):
     roundalign.revert(model)
     stock = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
                            pad_token_id=0)
-    assert not all(torch.equal(a, b) for a, b in zip(out.scores[1:], stock.scores[1:]))
+    assert not all(torch.equal(a, b) for a, b in zip(out.scores[1:], stock.scores[1:], strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,7 +59,7 @@ def test_output_hidden_states_same_meaning_as_stock(family):
     legacy = roundalign.apply(build(family), "vllm-eager-legacy")  # HF rules through the aligned layers
     out = legacy(ids, output_hidden_states=True)
     assert len(out.hidden_states) == len(ref.hidden_states) == stock.config.num_hidden_layers + 1
-    for a, b in zip(out.hidden_states, ref.hidden_states):
+    for a, b in zip(out.hidden_states, ref.hidden_states, strict=True):
         assert torch.equal(a, b)
 
     vllm = roundalign.apply(build(family), "vllm")  # the (R, S) carrier: layers return a pair

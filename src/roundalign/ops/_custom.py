@@ -43,7 +43,7 @@ def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, g
     # plain autograd records nothing; functorch's transform re-enables it for its own level.
     def of_diff(*diff_tensors):
         args = list(tensors)
-        for i, t in zip(diff, diff_tensors):
+        for i, t in zip(diff, diff_tensors, strict=True):
             args[i] = t
         outs = formula(*args, *consts)
         return outs if isinstance(outs, tuple) else (outs,)
@@ -122,13 +122,13 @@ def define(
         ctx.consts = inputs[nt:]
 
     def backward(ctx, *grads):
-        saved = dict(zip(needed, ctx.saved_tensors))
+        saved = dict(zip(needed, ctx.saved_tensors, strict=True))
         for i, (shape, dtype, device) in ctx.unsaved.items():
             saved[i] = torch.zeros((), dtype=dtype, device=device).expand(shape)  # stands in for an unsaved input
         got = bwd(*grads, *(saved[i] for i in range(nt)), *ctx.consts)
         got = got if isinstance(got, tuple) else (got,)
         per_input = [None] * (nt + len(consts))
-        for i, g in zip(diff, got):
+        for i, g in zip(diff, got, strict=True):
             per_input[i] = g
         return tuple(per_input)
 

@@ -1,6 +1,8 @@
-"""Llama family (``model_type="llama"``): which HF modules get aligned numerics. No q/k norm; RoPE types default and llama3.
+"""Llama family (``model_type="llama"``): which HF modules get aligned numerics.
 
-Source: transformers ``models/llama/modeling_llama.py`` (5.x). The decoder norms, the final norm share
+No q/k norm; RoPE types default and llama3.
+
+Source: transformers ``models/llama/modeling_llama.py`` (5.x). The decoder norms and the final norm share
 ``LlamaRMSNorm``; each instance gets its own rule at patch time.
 """
 

@@ -1,6 +1,8 @@
-"""Qwen2 family (``model_type="qwen2"``): which HF modules get aligned numerics. It also covers Qwen2.5 (same model_type). No q/k norm; q/k/v projections carry a bias.
+"""Qwen2 family (``model_type="qwen2"``, which also covers Qwen2.5): which HF modules get aligned numerics.
 
-Source: transformers ``models/qwen2/modeling_qwen2.py`` (5.x). The decoder norms, the final norm share
+No q/k norm; the q/k/v projections carry a bias.
+
+Source: transformers ``models/qwen2/modeling_qwen2.py`` (5.x). The decoder norms and the final norm share
 ``Qwen2RMSNorm``; each instance gets its own rule at patch time.
 """
 

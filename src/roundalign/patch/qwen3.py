@@ -1,6 +1,8 @@
-"""Qwen3 family (``model_type="qwen3"``): which HF modules get aligned numerics. Its attention has per-head q_norm/k_norm, patched with the profile's qk_norm rule.
+"""Qwen3 family (``model_type="qwen3"``): which HF modules get aligned numerics.
 
-Source: transformers ``models/qwen3/modeling_qwen3.py`` (5.x). The decoder norms, the final norm and q/k norms share
+Its attention has per-head q_norm/k_norm, patched with the profile's qk_norm rule.
+
+Source: transformers ``models/qwen3/modeling_qwen3.py`` (5.x). The decoder norms, the final norm and the q/k norms share
 ``Qwen3RMSNorm``; each instance gets its own rule at patch time.
 """
 
