@@ -48,9 +48,10 @@ def _check_dtype(model, allow_non_bf16: bool) -> None:
     raise TypeError(
         f"roundalign.apply needs a bf16 model, got parameters in {names}. The profiles say where a bf16 engine "
         "rounds; in fp32 nothing would round and in fp16 the rounding differs. Load with "
-        "dtype=torch.bfloat16 or call model.to(torch.bfloat16) first. For fp32 master weights that are computed "
-        "in bf16 (FSDP MixedPrecision, autocast), pass allow_non_bf16=True: the ops then round to bf16 at the "
-        "profile's rounding points from whatever dtype they receive."
+        "dtype=torch.bfloat16 or call model.to(torch.bfloat16) first. If the weights are cast to bf16 for compute "
+        "later (FSDP MixedPrecision param_dtype=bf16), pass allow_non_bf16=True: each op rounds to the dtype of "
+        "the weights and activations it receives at run time, so bf16 compute gets the profile's rounding points "
+        "and fp32 compute gets none."
     )
 
 
