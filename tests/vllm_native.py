@@ -1,0 +1,546 @@
+"""vLLM's ``forward_native`` element-wise code, and a vLLM-structured Qwen3, written for the compiled-engine tests.
+
+vLLM's default V1 path (torch.compile + Inductor, custom ops off) traces each layer's ``forward_native`` into Inductor
+graphs split at the attention op (shared/reference/engine-rounding.md s4.1, s5). vLLM itself needs CUDA, so this
+module restates the few lines that matter, in our own words, from the vLLM source read through the code index:
+
+- RMSNorm.forward_native, with and without residual: ``vllm/model_executor/layers/layernorm.py`` @ 00cba797bda4
+  (the 0.11-style code: ``x.to(float32)``; ``x = x + residual.to(float32)``; ``residual = x.to(orig_dtype)``;
+  variance of the fp32 ``x``; ``x * rsqrt(variance + eps)``; ``.to(orig_dtype)``; ``* weight``).
+- SiluAndMul.forward_native: ``vllm/model_executor/layers/activation.py`` @ 00db0119c376
+  (``F.silu(x[..., :d]) * x[..., d:]``).
+- RotaryEmbedding: ``vllm/model_executor/layers/rotary_embedding/base.py`` @ 04458da08417 (cache from an fp32
+  ``einsum`` of positions and inv_freq, ``cat(cos, sin)``, cast to the model dtype; ``forward_native`` indexes the
+  cache by position) and ``common.py`` @ 002d181a55a0 ``apply_rotary_emb_torch`` (NeoX layout:
+  ``cos.unsqueeze(-2).to(x.dtype)``, ``x1*cos - x2*sin``, ``x2*cos + x1*sin``, ``cat``).
+- Qwen3 structure: ``vllm/model_executor/models/qwen3.py`` @ 002456df36fc (q_norm/k_norm per head on the
+  ``q.view(..., heads, head_dim)``, then ``rotary_emb(positions, q, k)``, then attention; the decoder layer carries
+  ``residual`` through the fused add + RMSNorm; the first layer's input norm has no residual; the final norm is
+  fused with the last residual add; logits are computed outside the compiled model).
+
+Deliberate differences from vLLM, none of which touches an element-wise rounding point: q/k/v and gate/up are
+separate linears (vLLM merges them into one GEMM), so that every matmul is HF's own call; attention is
+``F.scaled_dot_product_attention`` (causal, GQA) called exactly as HF's sdpa path calls it, inside an opaque
+``torch.library`` op that stands in for vLLM's ``unified_attention`` splitting op; rotary_dim == head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx.passes.split_module import split_module
+
+# --------------------------------------------------------------------------------------------------------------
+# forward_native, restated
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """vLLM RMSNorm.forward_native. Returns ``out`` or ``(out, residual)``."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    if residual is not None:
+        x = x + residual.to(torch.float32)  # S, fp32
+        residual = x.to(orig_dtype)  # R = r(S), the carried residual
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype)  # eager: rounds; Inductor (default config): elided inside the fused kernel
+    x = x * weight
+    return x if residual is None else (x, residual)
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """vLLM SiluAndMul.forward_native on the merged ``[gate, up]`` tensor."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def cos_sin_cache(head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> torch.Tensor:
+    """vLLM RotaryEmbedding's cache: fp32 angles from an einsum, ``cat(cos, sin)``, then cast to ``dtype``."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    t = torch.arange(max_position, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_native(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cache: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int | None = None,
+):
+    """vLLM RotaryEmbedding.forward_native (NeoX style) on ``(tokens, heads * head_dim)`` query and key."""
+    rotary_dim = rotary_dim or head_dim
+    positions = positions.flatten()
+    n = positions.shape[0]
+    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+
+    def one(x):
+        x = x.view(n, -1, head_dim)  # the rotated part, then the pass-through part (empty for Qwen3), as vLLM does
+        rot = _rotate_neox(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rot, x[..., rotary_dim:]), dim=-1)
+
+    return one(query).reshape(query.shape), one(key).reshape(key.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# attention: an opaque op, like vLLM's unified_attention, at which the piecewise backend splits
+
+
+RECORD_ATTENTION: list | None = None  # set to a list to record every (q, k, v) the attention op receives
+
+
+@torch.library.custom_op("vllm_native::attention", mutates_args=())
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention on ``(tokens, heads * head_dim)`` tensors, computed as HF's sdpa path computes it."""
+    if RECORD_ATTENTION is not None:
+        RECORD_ATTENTION.append((q.clone(), k.clone(), v.clone()))
+    n = q.shape[0]
+    # HF hands SDPA (1, heads, tokens, head_dim) transposes of contiguous (1, tokens, heads, head_dim) tensors.
+    qh = q.reshape(1, n, num_heads, head_dim).transpose(1, 2)
+    kh = k.reshape(1, n, num_kv_heads, head_dim).transpose(1, 2)
+    vh = v.reshape(1, n, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, dropout_p=0.0, scale=scale, is_causal=True, enable_gqa=num_heads != num_kv_heads
+    )
+    return out.transpose(1, 2).contiguous().reshape(n, num_heads * head_dim)
+
+
+@attention.register_fake
+def _(q, k, v, num_heads, num_kv_heads, head_dim, scale):
+    return q.new_empty(q.shape[0], num_heads * head_dim)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM-structured Qwen3 over an HF Qwen3ForCausalLM's weights
+
+
+class VllmQwen3(torch.nn.Module):
+    """Qwen3Model.forward as vLLM runs it (the compiled region), on the weights of an HF ``Qwen3ForCausalLM``.
+
+    ``forward(input_ids, positions)`` returns the final-norm hidden states (tokens, hidden); ``logits`` applies the
+    lm_head eagerly, outside the compiled region, as vLLM's LogitsProcessor does.
+    """
+
+    def __init__(self, hf_model, merged: bool = False):
+        super().__init__()
+        cfg = hf_model.config
+        self.hf = hf_model  # weights are shared, not copied
+        self.merged = merged
+        if merged:  # vLLM's QKVParallelLinear / MergedColumnParallelLinear: one GEMM on concatenated weights
+            for layer in hf_model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                a.register_buffer(
+                    "_qkv", torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), persistent=False
+                )
+                mlp.register_buffer("_gate_up", torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), persistent=False)
+        self.eps = cfg.rms_norm_eps
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scale = self.head_dim**-0.5
+        theta = cfg.rope_parameters["rope_theta"]
+        dtype = hf_model.model.embed_tokens.weight.dtype
+        self.register_buffer(
+            "cos_sin_cache", cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta, dtype), persistent=False
+        )
+
+    def _attn(self, layer, positions, h):
+        a = layer.self_attn
+        if self.merged:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(h, a._qkv).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = F.linear(h, a.q_proj.weight), F.linear(h, a.k_proj.weight), F.linear(h, a.v_proj.weight)
+        q = rms_norm_native(q.view(*q.shape[:-1], -1, self.head_dim), a.q_norm.weight, self.eps).view(q.shape)
+        k = rms_norm_native(k.view(*k.shape[:-1], -1, self.head_dim), a.k_norm.weight, self.eps).view(k.shape)
+        q, k = rope_native(positions, q, k, self.cos_sin_cache, self.head_dim)
+        o = torch.ops.vllm_native.attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return F.linear(o, a.o_proj.weight)
+
+    def _mlp(self, mlp, h):
+        # vLLM merges gate and up into one GEMM; two linears keep HF's matmuls. SiluAndMul reads [gate, up].
+        if self.merged:
+            gate_up = F.linear(h, mlp._gate_up)
+        else:
+            gate_up = torch.cat((F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight)), dim=-1)
+        return F.linear(silu_and_mul_native(gate_up), mlp.down_proj.weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self.hf.model
+        h = F.embedding(input_ids, m.embed_tokens.weight)
+        residual = None
+        for layer in m.layers:  # Qwen3DecoderLayer.forward
+            if residual is None:
+                residual = h
+                h = rms_norm_native(h, layer.input_layernorm.weight, self.eps)
+            else:
+                h, residual = rms_norm_native(h, layer.input_layernorm.weight, self.eps, residual)
+            h = self._attn(layer, positions, h)
+            h, residual = rms_norm_native(h, layer.post_attention_layernorm.weight, self.eps, residual)
+            h = self._mlp(layer.mlp, h)
+        h, _ = rms_norm_native(h, m.norm.weight, self.eps, residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.hf.lm_head.weight)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# compiling: one whole graph, or piecewise (split at attention, each piece its own Inductor graph, as vLLM does)
+
+
+def _is_attention(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (
+        torch.ops.vllm_native.attention,
+        torch.ops.vllm_native.attention.default,
+    )
+
+
+class _CompilePieces(torch.fx.Interpreter):
+    """Runs the split graph on dynamo's fake inputs and compiles each non-attention piece with Inductor.
+
+    This is what vLLM's ``PiecewiseCompileInterpreter`` does (vllm/compilation/backends.py): every piece between
+    two splitting ops gets its own ``compile_fx`` call, so Inductor must materialize each piece's outputs in bf16.
+    """
+
+    def __init__(self, module, attention_pieces, log):
+        super().__init__(module)
+        self.attention_pieces = attention_pieces
+        self.log = log
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        if target not in self.attention_pieces:
+            from torch._inductor.compile_fx import compile_fx
+
+            sub = self.fetch_attr(target)
+            self.module.__dict__[target] = compile_fx(sub, list(args))
+            self.log.append(target)
+        return out
+
+
+def piecewise_backend(log: list | None = None):
+    """A torch.compile backend that splits the dynamo graph at every attention op, as vLLM's ``split_graph`` does."""
+    log = [] if log is None else log
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        from torch._guards import detect_fake_mode
+
+        piece, assign, attention_pieces = 0, {}, set()
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if _is_attention(node):
+                piece += 1
+                assign[node] = piece
+                attention_pieces.add(f"submod_{piece}")
+                piece += 1
+            else:
+                assign[node] = piece
+        split = split_module(gm, None, lambda n: assign[n], keep_original_order=True)
+        fake_mode = detect_fake_mode(example_inputs)
+        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        with fake_mode:
+            _CompilePieces(split, attention_pieces, log).run(*fake_args)
+        return split
+
+    return backend
+
+
+def compile_model(model: VllmQwen3, mode: str, dynamic: bool = True, log: list | None = None):
+    """``mode`` 'whole' (one Inductor graph, attention an extern call inside it) or 'piecewise'.
+
+    ``dynamic`` marks the token dimension dynamic, as vLLM compiles one graph for all batch sizes.
+    Returns ``run(input_ids, positions) -> hidden``.
+    """
+    torch._dynamo.reset()
+    backend = "inductor" if mode == "whole" else piecewise_backend(log)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
+
+    def run(input_ids, positions):
+        if dynamic:
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        with torch.no_grad():
+            return compiled(input_ids, positions)
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the tiny Qwen3
+
+
+def tiny_qwen3(seed: int = 0, **overrides):
+    """A random bf16 ``Qwen3ForCausalLM`` (sdpa attention) with activations at realistic scale.
+
+    Linear weights ~ N(0, 1/fan_in), so every projection keeps unit-scale activations; norm weights log-normal
+    around 1 (the init's all-ones would make rounding before and after the weight the same); embeddings ~ N(0, 1).
+    """
+    import transformers
+
+    kw = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.exp(0.4 * torch.randn(p.shape, generator=g)))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """HF logits for one unpadded sequence, as (tokens, vocab)."""
+    with torch.no_grad():
+        return model(input_ids[None]).logits[0]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the rounding formulas, composed into a model: what the compiled engine computes, written with roundalign.ops
+
+RESIDUAL_CARRY = ("every_add", "at_attention", "never")
+
+
+def formula_forward(
+    hf_model,
+    input_ids: torch.Tensor,
+    *,
+    qk_norm: str,
+    residual_carry: str = "every_add",
+    rms_norm: str = "round_after_weight",
+    rope_rounding: str = "once",
+    swiglu: str = "once",
+):
+    """Logits (tokens, vocab) of ``hf_model``'s weights with the given rounding rules, all ops from roundalign.ops.
+
+    Every norm reads the fp32 sum ``S`` (fused add + RMSNorm). ``residual_carry`` says where the carried residual
+    is rounded to bf16:
+
+    - ``every_add``: after every residual add, ``R = r(S)`` (roundalign's ``normalize_fp32_sum``).
+    - ``at_attention``: only where it crosses an attention op, i.e. between two pieces of a piecewise compile;
+      the sum after attention stays fp32 into the MLP's add.
+    - ``never``: the residual stream stays fp32 from the embedding to the final norm.
+    """
+    from roundalign import ops
+
+    if residual_carry not in RESIDUAL_CARRY:
+        raise ValueError(residual_carry)
+    cfg, m = hf_model.config, hf_model.model
+    eps, d = cfg.rms_norm_eps, cfg.head_dim
+    bf16 = m.embed_tokens.weight.dtype
+    cache = cos_sin_cache(d, cfg.max_position_embeddings, cfg.rope_parameters["rope_theta"], bf16)
+    n = input_ids.shape[0]
+    cos, sin = cache.index_select(0, torch.arange(n)).chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+
+    def carry(s, crossing_attention):
+        rounded = residual_carry == "every_add" or (residual_carry == "at_attention" and crossing_attention)
+        return s.to(bf16) if rounded else s
+
+    with torch.no_grad():
+        res = F.embedding(input_ids, m.embed_tokens.weight)
+        x = res  # what the next norm reads
+        for layer in m.layers:
+            a = layer.self_attn
+            h = ops.rms_norm(x, layer.input_layernorm.weight, eps, rms_norm, out_dtype=bf16)
+            q = ops.rms_norm(F.linear(h, a.q_proj.weight).view(n, -1, d), a.q_norm.weight, eps, qk_norm, bf16)
+            k = ops.rms_norm(F.linear(h, a.k_proj.weight).view(n, -1, d), a.k_norm.weight, eps, qk_norm, bf16)
+            q = ops.rope(q, cos, sin, rope_rounding, bf16).view(n, -1)
+            k = ops.rope(k, cos, sin, rope_rounding, bf16).view(n, -1)
+            o = torch.ops.vllm_native.attention(
+                q, k, F.linear(h, a.v_proj.weight), cfg.num_attention_heads, cfg.num_key_value_heads, d, d**-0.5
+            )
+            s = F.linear(o, a.o_proj.weight).float() + res.float()
+            res = carry(s, crossing_attention=False)
+            h = ops.rms_norm(s, layer.post_attention_layernorm.weight, eps, rms_norm, out_dtype=bf16)
+            mlp = layer.mlp
+            act = ops.swiglu(F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight), swiglu)
+            s = F.linear(act, mlp.down_proj.weight).float() + res.float()
+            res = carry(s, crossing_attention=True)
+            x = s
+        h = ops.rms_norm(x, m.norm.weight, eps, rms_norm, out_dtype=bf16)
+        return F.linear(h, hf_model.lm_head.weight)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the measurement shared by tests/test_vllm_compiled.py and scripts/measure_qk_norm.py
+
+QK_RULES = ("round_after_weight", "fused_into_rope", "round_before_weight")
+MODES = ("whole", "piecewise")
+
+
+def prompts(vocab: int, n_prompts: int, tokens: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (tokens,), generator=g) for _ in range(n_prompts)]
+
+
+def first_layer_qk(hf_model, input_ids: torch.Tensor, rule: str):
+    """The first attention's (q, k) under q/k-norm ``rule`` and the engine's other rules (norm rounds after the
+    weight, RoPE rounds once with the bf16 cache), from the embedding: what the engine hands its first attention."""
+    from roundalign import ops
+
+    cfg, m = hf_model.config, hf_model.model
+    layer, d, eps, n = m.layers[0], cfg.head_dim, cfg.rms_norm_eps, input_ids.shape[0]
+    bf16 = m.embed_tokens.weight.dtype
+    cache = cos_sin_cache(d, cfg.max_position_embeddings, cfg.rope_parameters["rope_theta"], bf16)
+    cos, sin = cache[:n].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    a = layer.self_attn
+    with torch.no_grad():
+        h = ops.rms_norm(
+            F.embedding(input_ids, m.embed_tokens.weight), layer.input_layernorm.weight, eps, "round_after_weight"
+        )
+        out = []
+        for proj, norm in ((a.q_proj, a.q_norm), (a.k_proj, a.k_norm)):
+            x = ops.rms_norm(F.linear(h, proj.weight).view(n, -1, d), norm.weight, eps, rule, bf16)
+            out.append(ops.rope(x, cos, sin, "once", bf16).reshape(n, -1))
+    return tuple(out)
+
+
+def _agreement(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
+    eq = [g == r for g, r in zip(got, ref, strict=True)]
+    equal = sum(int(e.sum()) for e in eq)
+    total = sum(e.numel() for e in eq)
+    return {
+        "equal": equal,
+        "total": total,
+        "fraction": equal / total,
+        "prompts_equal": sum(bool(e.all()) for e in eq),
+        "prompts": len(eq),
+    }
+
+
+def measure_qwen3(
+    hf_model,
+    prompt_ids: list[torch.Tensor],
+    *,
+    dynamic: bool = True,
+    merged: bool = False,
+    modes=MODES,
+    code: bool = False,
+) -> dict:
+    """Logits of the vLLM-structured engine (eager and compiled per ``modes``) against every reference.
+
+    Returns ``{"agreement": {mode: {reference: {...}}}, "first_attention_qk": {mode: {rule: (mismatched, total)}},
+    "eager_vs_per_op_formula": {...}, "formula_every_add_equals_apply": {rule: bool}, "seconds": {...},
+    "code": {mode: str}}``. Every prompt is one sequence (its own causal attention); all share one compile.
+    """
+    import time
+
+    import roundalign
+
+    global RECORD_ATTENTION
+    engine = VllmQwen3(hf_model, merged=merged)
+    n_layers = hf_model.config.num_hidden_layers
+    out: dict = {"seconds": {}, "first_attention_qk": {}, "code": {}}
+    logits: dict[str, list] = {}
+    with torch.no_grad():
+        logits["eager"] = [engine.logits(engine(ids, torch.arange(len(ids)))) for ids in prompt_ids]
+    for mode in modes:
+        t0 = time.time()
+        run = compile_model(engine, mode, dynamic=dynamic)
+        RECORD_ATTENTION = seen = []
+        try:
+            hidden = []
+            for i, ids in enumerate(prompt_ids):
+                if code and i == 0:
+                    from torch._inductor.utils import run_and_get_code
+
+                    h, src = run_and_get_code(run, ids, torch.arange(len(ids)))
+                    out["code"][mode] = "\n".join(src)
+                else:
+                    h = run(ids, torch.arange(len(ids)))
+                hidden.append(h)
+                if i == 0:
+                    out["seconds"][mode] = time.time() - t0
+        finally:
+            RECORD_ATTENTION = None
+        logits[mode] = [engine.logits(h) for h in hidden]
+        firsts = seen[::n_layers]
+        out["first_attention_qk"][mode] = {}
+        for rule in QK_RULES:
+            bad = total = 0
+            for ids, (q, k, _) in zip(prompt_ids, firsts, strict=True):
+                rq, rk = first_layer_qk(hf_model, ids, rule)
+                bad += int((q != rq).sum() + (k != rk).sum())
+                total += q.numel() + k.numel()
+            out["first_attention_qk"][mode][rule] = (bad, total)
+    torch._dynamo.reset()
+
+    refs = {"stock HF": [hf_logits(hf_model, ids) for ids in prompt_ids]}
+    for rule in QK_RULES:
+        roundalign.apply(hf_model, "vllm", qk_norm=rule)
+        try:
+            refs[f"apply vllm, qk_norm={rule}"] = [hf_logits(hf_model, ids) for ids in prompt_ids]
+        finally:
+            roundalign.revert(hf_model)
+    for carry in RESIDUAL_CARRY:
+        for rule in QK_RULES:
+            refs[f"formula residual={carry}, qk_norm={rule}"] = [
+                formula_forward(hf_model, ids, qk_norm=rule, residual_carry=carry) for ids in prompt_ids
+            ]
+    out["formula_every_add_equals_apply"] = {
+        rule: all(
+            torch.equal(a, b)
+            for a, b in zip(
+                refs[f"apply vllm, qk_norm={rule}"], refs[f"formula residual=every_add, qk_norm={rule}"], strict=True
+            )
+        )
+        for rule in QK_RULES
+    }
+    per_op = [
+        formula_forward(
+            hf_model,
+            ids,
+            qk_norm="round_before_weight",
+            rms_norm="round_before_weight",
+            rope_rounding="per_op",
+            swiglu="round_silu",
+        )
+        for ids in prompt_ids
+    ]
+    out["eager_vs_per_op_formula"] = _agreement(logits["eager"], per_op)
+    roundalign.apply(
+        hf_model,
+        "vllm",
+        rms_norm="round_before_weight",
+        qk_norm="round_before_weight",
+        rope="bf16/per_op",
+        swiglu="round_silu",
+    )
+    try:
+        out["eager_vs_apply_per_op"] = _agreement(logits["eager"], [hf_logits(hf_model, ids) for ids in prompt_ids])
+    finally:
+        roundalign.revert(hf_model)
+    out["agreement"] = {mode: {name: _agreement(logits[mode], ref) for name, ref in refs.items()} for mode in modes}
+    return out
