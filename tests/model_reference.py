@@ -373,29 +373,36 @@ def reference_logits(
     cos, sin = cos_sin(config, position_ids, prof.rope_for(_head_dim(config)).cos_sin)
     mask = _eager_mask(attention_mask, B, T, BF16)
     eps = config.rms_norm_eps
-    fp32_sum = prof.residual is ResidualRule.NORMALIZE_FP32_SUM
+    fp32_sum = prof.residual is not ResidualRule.NORMALIZE_ROUNDED_SUM
+    # Which residual adds carry the fp32 sum S on instead of R = r(S) (compiled engines elide the rounding):
+    keep_fp32 = {
+        ResidualRule.NORMALIZE_ROUNDED_SUM: (),
+        ResidualRule.NORMALIZE_FP32_SUM: (),
+        ResidualRule.ROUND_AT_ATTENTION: ("attention",),  # rounded only at each layer's input
+        ResidualRule.NEVER_ROUND: ("attention", "mlp"),
+    }[prof.residual]
 
-    R = F.embedding(input_ids, sd["model.embed_tokens.weight"])  # carried bf16 residual
+    R = F.embedding(input_ids, sd["model.embed_tokens.weight"])  # carried residual: bf16, or fp32 where kept
     S = None  # fp32 sum of the last residual add (None before the first add: the norm reads the embedding)
 
     def norm_input() -> torch.Tensor:
         return S if (fp32_sum and S is not None) else f(R)
 
-    def residual_add(a: torch.Tensor) -> None:
+    def residual_add(a: torch.Tensor, after: str) -> None:
         nonlocal R, S
         S = f(a) + f(R)  # S = a + h in fp32; HF's bf16 add is r(S)
-        R = r(S)
+        R = S if after in keep_fp32 else r(S)
 
     for i in range(config.num_hidden_layers):
         pre = f"model.layers.{i}"
         x = rms_norm(norm_input(), sd[f"{pre}.input_layernorm.weight"], eps, prof.rms_norm)
-        residual_add(_attention(x, sd, f"{pre}.self_attn", config, fam, prof, cos, sin, mask))
+        residual_add(_attention(x, sd, f"{pre}.self_attn", config, fam, prof, cos, sin, mask), "attention")
         x = rms_norm(norm_input(), sd[f"{pre}.post_attention_layernorm.weight"], eps, prof.rms_norm)
         if _is_sparse_layer(config, i):
             m = _sparse_moe(x, sd, f"{pre}.mlp", config, prof.expert_swiglu)
         else:
             m = _dense_mlp(x, sd, f"{pre}.mlp", prof.swiglu)
-        residual_add(m)
+        residual_add(m, "mlp")
 
     x = rms_norm(norm_input(), sd["model.norm.weight"], eps, prof.rms_norm)
     lm = sd.get("lm_head.weight")

@@ -72,8 +72,9 @@ def test_print_shows_profile_and_rules():
     model = roundalign.apply(build("qwen3"), "vllm")
     text = str(model)
     assert "AlignedQwen3DecoderLayer" in text
-    assert "profile=vllm, residual=normalize_fp32_sum" in text
-    assert "(q_norm): AlignedQwen3RMSNorm((16,), eps=1e-06, rule=round_after_weight)" in text
+    assert "profile=vllm, residual=round_at_attention" in text
+    assert "(q_norm): AlignedQwen3RMSNorm((16,), eps=1e-06, rule=fused_into_rope)" in text
+    assert "(input_layernorm): AlignedQwen3RMSNorm((64,), eps=1e-06, rule=round_after_weight)" in text
     assert "rope=bf16/once" in text and "swiglu=once" in text
 
 

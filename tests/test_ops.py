@@ -47,6 +47,8 @@ OTHER = {
     "round_after_weight": "round_before_weight",
     "normalize_rounded_sum": "normalize_fp32_sum",
     "normalize_fp32_sum": "normalize_rounded_sum",
+    "round_at_attention": "normalize_rounded_sum",
+    "never_round": "normalize_rounded_sum",
     "per_op": "once",
     "once": "per_op",
 }

@@ -329,6 +329,12 @@ def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 # the rounding formulas, composed into a model: what the compiled engine computes, written with roundalign.ops
 
 RESIDUAL_CARRY = ("every_add", "at_attention", "never")
+# The roundalign ResidualRule for each carry (all three normalize the fp32 sum).
+CARRY_RULE = {"every_add": "normalize_fp32_sum", "at_attention": "round_at_attention", "never": "never_round"}
+
+
+def apply_name(carry: str, qk_rule: str) -> str:
+    return f"apply vllm, residual={CARRY_RULE[carry]}, qk_norm={qk_rule}"
 
 
 def formula_forward(
@@ -452,7 +458,7 @@ def measure_qwen3(
     """Logits of the vLLM-structured engine (eager and compiled per ``modes``) against every reference.
 
     Returns ``{"agreement": {mode: {reference: {...}}}, "first_attention_qk": {mode: {rule: (mismatched, total)}},
-    "eager_vs_per_op_formula": {...}, "formula_every_add_equals_apply": {rule: bool}, "seconds": {...},
+    "eager_vs_per_op_formula": {...}, "formula_equals_apply": {"carry, rule": bool}, "seconds": {...},
     "code": {mode: str}}``. Every prompt is one sequence (its own causal attention); all share one compile.
     """
     import time
@@ -498,24 +504,32 @@ def measure_qwen3(
     torch._dynamo.reset()
 
     refs = {"stock HF": [hf_logits(hf_model, ids) for ids in prompt_ids]}
-    for rule in QK_RULES:
-        roundalign.apply(hf_model, "vllm", qk_norm=rule)
-        try:
-            refs[f"apply vllm, qk_norm={rule}"] = [hf_logits(hf_model, ids) for ids in prompt_ids]
-        finally:
-            roundalign.revert(hf_model)
+    roundalign.apply(hf_model, "vllm")
+    try:
+        refs["apply vllm (as shipped)"] = [hf_logits(hf_model, ids) for ids in prompt_ids]
+    finally:
+        roundalign.revert(hf_model)
+    for carry in RESIDUAL_CARRY:
+        for rule in QK_RULES:
+            roundalign.apply(hf_model, "vllm", residual=CARRY_RULE[carry], qk_norm=rule)
+            try:
+                refs[apply_name(carry, rule)] = [hf_logits(hf_model, ids) for ids in prompt_ids]
+            finally:
+                roundalign.revert(hf_model)
     for carry in RESIDUAL_CARRY:
         for rule in QK_RULES:
             refs[f"formula residual={carry}, qk_norm={rule}"] = [
                 formula_forward(hf_model, ids, qk_norm=rule, residual_carry=carry) for ids in prompt_ids
             ]
-    out["formula_every_add_equals_apply"] = {
-        rule: all(
+    # formula_forward is a second implementation of the same rules: it must equal roundalign.apply everywhere.
+    out["formula_equals_apply"] = {
+        f"{carry}, {rule}": all(
             torch.equal(a, b)
             for a, b in zip(
-                refs[f"apply vllm, qk_norm={rule}"], refs[f"formula residual=every_add, qk_norm={rule}"], strict=True
+                refs[apply_name(carry, rule)], refs[f"formula residual={carry}, qk_norm={rule}"], strict=True
             )
         )
+        for carry in RESIDUAL_CARRY
         for rule in QK_RULES
     }
     per_op = [
@@ -535,6 +549,7 @@ def measure_qwen3(
         "vllm",
         rms_norm="round_before_weight",
         qk_norm="round_before_weight",
+        residual="normalize_fp32_sum",  # eager: vLLM's native add + norm rounds the residual after every add
         rope="bf16/per_op",
         swiglu="round_silu",
     )

@@ -52,10 +52,18 @@ class QKNormRule(_Rule):
 
 
 class ResidualRule(_Rule):
-    """Every residual add, including the one that feeds the final norm."""
+    """Every residual add, including the one that feeds the final norm: what the norm reads, what is carried.
+
+    The last two rules describe compiled engines, where Inductor elides ``residual = x.to(bf16)`` wherever the
+    residual does not leave a compiled graph (measured on the CPU: docs/qk-norm.md).
+    """
 
     NORMALIZE_ROUNDED_SUM = "normalize_rounded_sum"  # HF: R = r(a + h); the norm reads R
     NORMALIZE_FP32_SUM = "normalize_fp32_sum"  # fused add+norm: the norm reads S = a + h; R = r(S) is carried
+    # vLLM piecewise graphs: the norm reads S; the residual is rounded only where it crosses an attention op (each
+    # layer's input); the sum after attention is carried in fp32 into the MLP's add.
+    ROUND_AT_ATTENTION = "round_at_attention"
+    NEVER_ROUND = "never_round"  # one whole compiled graph: the norm reads S, and the residual stream stays fp32
 
 
 class RopeRounding(_Rule):
@@ -216,6 +224,8 @@ _FORMULAS = {
     ("qk_norm", "fused_into_rope"): "no rounding; RoPE rounds once: r(rope(q*nu(q)*w))",
     ("residual", "normalize_rounded_sum"): "R=r(a+h); norm(R)",
     ("residual", "normalize_fp32_sum"): "R=r(a+h); norm(a+h) in fp32",
+    ("residual", "round_at_attention"): "norm(a+h) in fp32; R=r(a+h) at layer inputs only",
+    ("residual", "never_round"): "norm(a+h) in fp32; residual kept fp32",
     ("swiglu", "round_silu"): "r(r(silu(g))*u)",
     ("swiglu", "once"): "r(silu(g)*u)",
     ("expert_swiglu", "round_silu"): "r(r(silu(g))*u)",
@@ -262,16 +272,18 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="vllm",
             rms_norm="round_after_weight",
-            # Measured, not read: compiled piecewise (split at attention, as vLLM does) the q/k norm output is a
-            # kernel output and rounds; see docs/qk-norm.md and tests/test_vllm_compiled.py.
-            qk_norm="round_after_weight",
-            residual="normalize_fp32_sum",
+            # qk_norm and residual are measured, not read (docs/qk-norm.md, tests/test_vllm_compiled.py): compiled
+            # piecewise, split at attention as vLLM does, Inductor inlines the q/k norm into the RoPE kernel, and
+            # rounds the residual only where it leaves a piece, i.e. where it crosses attention.
+            qk_norm="fused_into_rope",
+            residual="round_at_attention",
             rope="bf16/once",
             swiglu="once",
             # vLLM's fused MoE always calls the CUDA silu_and_mul, which rounds silu(g) first.
             expert_swiglu="round_silu",
             engines="vLLM V1 default (torch.compile + Inductor, custom ops off), 0.11 to 0.33",
-            source=f"{_ER} s4.1-4.4, s5: forward_native traced into Inductor, explicit casts elided",
+            source=f"{_ER} s4.1-4.4, s5: forward_native traced into Inductor, explicit casts elided; qk_norm and "
+            "residual measured on CPU Inductor (docs/qk-norm.md)",
         ),
         Profile(
             name="vllm-eager",

@@ -13,6 +13,8 @@ Residual add:
 
 - ``normalize_rounded_sum`` (HF): the add rounds, ``R = r(a + h)``, and the norm reads ``R``.
 - ``normalize_fp32_sum`` (fused add+norm kernels): the norm reads ``S``; ``R = r(S)`` is carried forward.
+- ``round_at_attention``, ``never_round`` (compiled engines): the add is the same as ``normalize_fp32_sum``'s;
+  they differ only in which of ``R`` and ``S`` the decoder layer carries on (``roundalign.patch._common``).
 
 ``x`` may be bf16 or the fp32 sum ``S``; the variance is always taken in fp32, as every implementation does.
 """
@@ -82,8 +84,9 @@ def residual_add(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``h + a`` under ``rule``: returns ``(R, x_for_norm)``.
 
-    ``R`` is the bf16 residual carried forward; ``x_for_norm`` is what the next norm reads: ``R`` itself under
-    ``normalize_rounded_sum``, the fp32 sum ``S`` under ``normalize_fp32_sum``.
+    ``R`` is the bf16 residual; ``x_for_norm`` is what the next norm reads: ``R`` itself under
+    ``normalize_rounded_sum``, the fp32 sum ``S`` under every other rule. ``h`` may be an fp32 residual that a
+    compiled engine carried without rounding (``round_at_attention``, ``never_round``).
     """
     rule = ResidualRule.parse(rule, "residual")
     if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:

@@ -4,9 +4,9 @@ A patched module keeps its HF class, parameters and state_dict keys; only its ``
 ``Aligned<HFClass>`` (a subclass defined in the family's file), whose ``forward`` runs ``roundalign.ops`` with the
 rule stored on the instance. ``revert`` puts the HF class back.
 
-The residual stream is the one structural change. Under ``normalize_fp32_sum`` the norm after a residual add must
-read the fp32 sum ``S = a + h``, while the residual carried forward is ``R = r(S)``. Across a layer boundary that
-needs both, so an aligned decoder layer returns the pair ``(R, S)`` instead of ``R``:
+The residual stream is the one structural change. Under every rule but HF's, the norm after a residual add reads
+the fp32 sum ``S = a + h``, and the residual carried on is either ``R = r(S)`` or ``S`` itself (see ``ResidualRule``).
+Across a layer boundary that needs both, so an aligned decoder layer returns the pair ``(R, S)`` instead of ``R``:
 
 - HF's model loop passes the pair to the next layer (and the last one to the final norm) untouched;
 - ``output_hidden_states`` records ``output[0] = R``, the same bf16 tensor stock HF records;
@@ -124,7 +124,9 @@ class AlignedDecoderLayer:
         if "past_key_values" in kwargs:
             cache = kwargs.pop("past_key_values")
         _check_checkpointing(self)
-        residual, x = _carried(hidden_states)
+        rule = self._roundalign_residual
+        rounded, x = _carried(hidden_states)  # (R, what the norm reads: R or S)
+        residual = x if rule is ResidualRule.NEVER_ROUND else rounded
         x = self.input_layernorm(x)
         x, _ = self.self_attn(
             hidden_states=x,
@@ -135,13 +137,15 @@ class AlignedDecoderLayer:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        residual, x = ops.residual_add(x, residual, self._roundalign_residual)  # R, and what the norm reads
+        rounded, x = ops.residual_add(x, residual, rule)  # R, and what the norm reads
+        # Carried into the MLP's add: R, except where a compiled engine keeps the post-attention sum in fp32.
+        residual = x if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else rounded
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
-        residual, x = ops.residual_add(x, residual, self._roundalign_residual)
-        if self._roundalign_residual is ResidualRule.NORMALIZE_FP32_SUM:
-            return residual, x  # (R, S): the next norm reads S, the next add reads R
-        return residual
+        rounded, x = ops.residual_add(x, residual, rule)
+        if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
+            return rounded
+        return rounded, x  # (R, S): the next norm reads S; the next layer carries R, or S under never_round
 
     def extra_repr(self) -> str:
         return f"profile={self._roundalign_profile}, residual={self._roundalign_residual}"
