@@ -92,28 +92,32 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
     check_rope(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = prof.rope_for(head_dim)
-    rules = {
-        "norm": lambda name: {"_roundalign_rule": str(prof.qk_norm if name.endswith(("q_norm", "k_norm"))
-                                                       else prof.rms_norm)},
-        "mlp": lambda name: {"_roundalign_rule": prof.swiglu},
-        "experts": lambda name: {"_roundalign_rule": prof.expert_swiglu},
-        # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output, whatever
-        # the profile's RoPE rounding (which still applies where there is no q/k norm).
-        "attention": lambda name: {"_roundalign_rope": RopeRounding.ONCE if family.has_qk_norm
-                                   and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE else rope.rounding},
-        "decoder_layer": lambda name: {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name},
-    }
+    qk_fused = family.has_qk_norm and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE
+
+    def attrs_for(role: str, name: str, module) -> dict:
+        if role == "norm":
+            is_qk = name.endswith(("q_norm", "k_norm"))
+            return {"_roundalign_rule": str(prof.qk_norm if is_qk else prof.rms_norm)}
+        if role == "mlp":
+            return {"_roundalign_rule": prof.swiglu}
+        if role == "experts":
+            return {"_roundalign_rule": prof.expert_swiglu}
+        if role == "attention":
+            # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output, whatever
+            # the profile's RoPE rounding (which still applies where there is no q/k norm).
+            return {"_roundalign_rope": RopeRounding.ONCE if qk_fused else rope.rounding}
+        if role == "decoder_layer":
+            return {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name}
+        inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)  # rotary
+        return {"_roundalign_rope": rope, "_roundalign_inv_freq": inv_freq, "_roundalign_scaling": scaling}
+
     swapped = 0
     for name, module in model.named_modules():
         hit = family.aligned_for(module)
         if hit is None:
             continue
         role, aligned = hit
-        if role == "rotary":
-            inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)
-            attrs = {"_roundalign_rope": rope, "_roundalign_inv_freq": inv_freq, "_roundalign_scaling": scaling}
-        else:
-            attrs = rules[role](name)
+        attrs = attrs_for(role, name, module)
         module.__class__ = aligned
         for key, value in attrs.items():
             setattr(module, key, value)

@@ -19,6 +19,8 @@ Under ``normalize_rounded_sum`` a layer returns ``R`` alone, exactly as stock HF
 from __future__ import annotations
 
 import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from roundalign import ops
 from roundalign.profiles import ResidualRule, RopeRounding, SwiGLURule
@@ -63,8 +65,6 @@ class AlignedAttention:
     _hf_eager_attention = None  # the family module's eager_attention_forward, set by define_family
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         if "past_key_values" in kwargs:  # HF 5.x still accepts the old name through deprecate_kwarg
             cache = kwargs.pop("past_key_values")
         input_shape = hidden_states.shape[:-1]
@@ -177,8 +177,6 @@ class AlignedExperts:
     def forward(self, hidden_states, top_k_index, top_k_weights):
         impl = getattr(self.config, "_experts_implementation", None) or "eager"
         if impl != "eager":
-            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
             return ALL_EXPERTS_FUNCTIONS.get_interface(impl, None)(self, hidden_states, top_k_index, top_k_weights)
         # HF's eager loop (qwen3_moe Qwen3MoeExperts.forward), with the SwiGLU through _apply_gate.
         final = torch.zeros_like(hidden_states)
