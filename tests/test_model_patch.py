@@ -88,11 +88,11 @@ def test_qwen3_moe_experts_get_expert_rule():
 
 
 def test_override_one_region():
-    model = roundalign.apply(build("qwen3"), "vllm", rope="fp32/once", qk_norm="fused_into_rope")
+    model = roundalign.apply(build("qwen3"), "vllm", rope="fp32/once", qk_norm="round_after_weight")
     prof = roundalign.patched_profile(model)
-    assert prof.name == "vllm+qk_norm=fused_into_rope,rope=fp32/once"
+    assert prof.name == "vllm+qk_norm=round_after_weight,rope=fp32/once"
     assert str(prof.rope) == "fp32/once" and str(prof.rms_norm) == "round_after_weight"
-    assert model.model.layers[0].self_attn.q_norm._roundalign_rule == "fused_into_rope"
+    assert model.model.layers[0].self_attn.q_norm._roundalign_rule == "round_after_weight"
     cos, sin = model.model.rotary_emb(torch.zeros(1, 1, dtype=torch.bfloat16), torch.arange(4)[None])
     assert cos.dtype == torch.float32
 
@@ -157,3 +157,9 @@ def test_reentrant_checkpointing_is_refused():
 
 def test_config_builder_is_sane():
     assert config("qwen3_moe").model_type == "qwen3_moe"
+
+
+def test_override_equal_to_the_profile_is_the_profile():
+    model = roundalign.apply(build("qwen2"), "vllm", rope="bf16/once", swiglu="once")
+    assert roundalign.patched_profile(model) is roundalign.get_profile("vllm")
+    assert roundalign.apply(model, "vllm") is model  # same rules: no "already patched" error

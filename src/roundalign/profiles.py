@@ -174,14 +174,16 @@ class Profile:
         return self.rope.for_head_dim(head_dim) if isinstance(self.rope, HeadDimRope) else self.rope
 
     def replace(self, **overrides) -> Profile:
-        """A copy with some regions overridden; the name records the override (``vllm+rope=fp32/once``)."""
+        """A copy with some regions overridden; the name records what changed (``vllm+rope=fp32/once``)."""
         unknown = set(overrides) - set(REGIONS)
         if unknown:
             raise TypeError(f"unknown region(s) {sorted(unknown)}; the regions are {', '.join(REGIONS)}")
-        if not overrides:
-            return self
-        tag = ",".join(f"{k}={overrides[k]}" for k in sorted(overrides))
-        return dataclasses.replace(self, name=f"{self.name}+{tag}", **overrides)
+        new = dataclasses.replace(self, **overrides)  # parses and validates every override
+        changed = sorted(k for k in overrides if getattr(new, k) != getattr(self, k))
+        if not changed:
+            return self  # e.g. apply(model, "vllm", rope="bf16/once") is just "vllm"
+        tag = ",".join(f"{k}={getattr(new, k)}" for k in changed)
+        return dataclasses.replace(new, name=f"{self.name}+{tag}")
 
     def to_dict(self) -> dict:
         rope = self.rope
