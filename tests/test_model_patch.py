@@ -150,7 +150,7 @@ def test_unsupported_rope_type_raises():
 
 def test_reentrant_checkpointing_is_refused():
     model = roundalign.apply(build("qwen3"), "vllm").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(RuntimeError, match="use_reentrant': False"):
         model(token_ids()).logits.float().sum().backward()
 

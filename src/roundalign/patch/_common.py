@@ -159,7 +159,7 @@ def _check_checkpointing(layer) -> None:
         raise RuntimeError(
             "roundalign: reentrant gradient checkpointing cannot carry the (R, S) residual pair between layers "
             "(gradients would not reach S). Enable it with "
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), "
+            "model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False}), "
             "HF's default."
         )
 
