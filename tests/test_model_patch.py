@@ -163,3 +163,25 @@ def test_override_equal_to_the_profile_is_the_profile():
     model = roundalign.apply(build("qwen2"), "vllm", rope="bf16/once", swiglu="once")
     assert roundalign.patched_profile(model) is roundalign.get_profile("vllm")
     assert roundalign.apply(model, "vllm") is model  # same rules: no "already patched" error
+
+
+def test_deepcopy_and_pickle_keep_the_patch():
+    """TRL builds its reference model with copy.deepcopy; torch.save pickles the module classes by name."""
+    import copy
+    import io
+
+    model = roundalign.apply(build("qwen3_moe"), "vllm")
+    ids = token_ids()
+    expected = model(ids).logits
+    clone = copy.deepcopy(model)
+    assert roundalign.patched_profile(clone) == roundalign.get_profile("vllm")
+    assert torch.equal(clone(ids).logits, expected)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.model.layers[0]).__name__ == "AlignedQwen3MoeDecoderLayer"
+    assert torch.equal(loaded(ids).logits, expected)
+    roundalign.revert(clone)
+    assert torch.equal(model(ids).logits, expected)  # reverting the copy leaves the original patched
+    assert not torch.equal(clone(ids).logits, expected)
