@@ -35,7 +35,7 @@ demo: $(STAMP)
 	$(VENV)/bin/roundalign profiles
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests benchmarks
 
 # Not part of lint yet: not every module is ruff-formatted.
 format-check: $(STAMP)
