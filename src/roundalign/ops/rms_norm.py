@@ -26,8 +26,6 @@ import torch
 from roundalign.ops._custom import compute_dtype, default_out_dtype, define
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
-FP32_OUT = "fused_into_rope"
-
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
     acc = compute_dtype(x)
@@ -38,7 +36,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_
         return weight * normed.to(out_dtype)  # r(w * r(x * nu(x))): HF's expression, weight on the left
     if rule == RMSNormRule.ROUND_AFTER_WEIGHT:
         return (normed * weight.to(acc)).to(out_dtype)  # r(x * nu(x) * w)
-    if rule == FP32_OUT:
+    if rule == QKNormRule.FUSED_INTO_ROPE:
         return normed * weight.to(acc)  # x * nu(x) * w, left unrounded for RoPE
     raise ValueError(f"unknown rms_norm rule {rule!r}")
 
@@ -73,7 +71,7 @@ def rms_norm(
     ``fused_into_rope`` rule returns fp32 for the RoPE op to round.
     """
     rule = str(rule)
-    if rule not in (*(r.value for r in RMSNormRule), FP32_OUT):
+    if rule not in {r.value for r in QKNormRule}:  # RMSNormRule's rules plus fused_into_rope
         raise ValueError(f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
                          "or fused_into_rope (q/k norm only)")
     return _rms_norm_op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight))
