@@ -69,7 +69,7 @@ def test_reads_records_in_order(tmp_path):
         (_line(token_ids=[4, 300]), '"token_ids"[1] = 300 is outside the model\'s vocabulary [0, 300)'),
         (_line(prompt_token_ids=[-1]), '"prompt_token_ids"[0] = -1 is outside'),
         (_line(logprobs=[-0.5, 0.25]), '"logprobs"[1] = 0.25 is above 0'),
-        (_line(logprobs=[-0.5, "x"]), '"logprobs"[1] is \'x\'; log-probs are JSON numbers'),
+        (_line(logprobs=[-0.5, "x"]), "\"logprobs\"[1] is 'x'; log-probs are JSON numbers"),
         (_line(logprobs=[-0.5, None]), '"logprobs"[1] is None'),
         (_line(logprobs=[False, -1.0]), '"logprobs"[0] is False'),
         ('{"prompt_token_ids": [1], "token_ids": [2], "logprobs": [NaN]}', '"logprobs"[0] is nan'),

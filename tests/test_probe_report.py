@@ -304,20 +304,6 @@ def test_render_without_optional_sections():
     assert "k3_kl" in text
 
 
-def test_progress_bar_counts():
-    from rich.console import Console
-
-    from roundalign.probe.table import progress
-
-    console = Console(record=True, width=100, force_terminal=False, file=io.StringIO())
-    with progress(console) as bar:
-        task = bar.add_task("trainer hf", total=3)
-        for _ in range(3):
-            bar.advance(task)
-    assert bar.tasks[0].completed == 3
-    assert "3/3" in console.export_text()
-
-
 # -----------------------------------------------------------------------------
 # plots: files are written, are PNGs of a sensible size, and are not blank
 

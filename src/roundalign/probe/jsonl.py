@@ -107,9 +107,7 @@ def _parse_record(text: str, vocab_size: int, max_model_len: int) -> EngineRollo
         return f"missing key(s) {missing}; each record needs {list(REQUIRED_KEYS)}"
     unknown = sorted(set(obj) - set(REQUIRED_KEYS) - IGNORED_KEYS)
     if unknown:
-        return (
-            f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)} and, ignored, {sorted(IGNORED_KEYS)}"
-        )
+        return f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)} and, ignored, {sorted(IGNORED_KEYS)}"
     problem = (
         _check_ids("prompt_token_ids", obj["prompt_token_ids"], vocab_size)
         or _check_ids("token_ids", obj["token_ids"], vocab_size)

@@ -1,4 +1,4 @@
-"""Terminal view of a probe report: rich tables that fit about 150 columns, and the run's progress bar.
+"""Terminal view of a probe report: rich tables that fit about 150 columns.
 
 ``render(report)`` returns renderables to print in order: a one-paragraph summary (model, engine, token counts),
 the main table (one row per trainer profile x backend x reference, the headline metrics under short headers that
@@ -252,17 +252,3 @@ def render(report: dict) -> list:
     if report["notes"]:
         out.append(_notes(report))
     return out
-
-
-def progress(console=None):
-    """The run's progress bar: ``with progress() as p: task = p.add_task("trainer hf", total=n); p.advance(task)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
