@@ -2,8 +2,9 @@
 """Which rounding rules does a compiled vLLM-structured Qwen3 follow? Bitwise logit agreement, measured on the CPU.
 
 Builds a tiny random bf16 Qwen3 (``tiny_qwen3`` in tests/vllm_native.py), runs vLLM's ``forward_native`` structure
-(``VllmQwen3``) compiled with Inductor two ways (one whole graph; piecewise, split at every attention op as vLLM's
-backend does) and compares its logits bit for bit against:
+(the engine's ``roundalign.engine.native.NativeModel``, as ``VllmQwen3`` over the HF weights) compiled with Inductor
+two ways (one whole graph; piecewise, split at every attention op as vLLM's backend does) and compares its logits
+bit for bit against:
 
 - stock HF (unpatched);
 - ``roundalign.apply(model, "vllm", qk_norm=...)`` for each q/k-norm rule;
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     print("compile + first prompt (s): " + ", ".join(f"{m} {s:.1f}" for m, s in out["seconds"].items()))
     print(f"eager engine vs per-op formula: {out['eager_vs_per_op_formula']}")
     print(f"eager engine vs roundalign.apply with per-op rules: {out['eager_vs_apply_per_op']}")
-    print(f"formula(every_add) == roundalign.apply: {out['formula_every_add_equals_apply']}")
+    print(f"formula == roundalign.apply, per residual carry and q/k rule: {out['formula_equals_apply']}")
     print("cells: logits bitwise equal / total = fraction (prompts whose logits are all equal)\n")
     print(table(out))
     for mode, info in out.get("inductor", {}).items():

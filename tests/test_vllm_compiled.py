@@ -3,8 +3,9 @@ roundalign rules that claim to describe it.
 
 vLLM's default path traces each layer's ``forward_native`` into Inductor, which drops explicit bf16 casts inside a
 fused kernel (``emulate_precision_casts=False``; shared/reference/engine-rounding.md s5). The fact sheet derived the
-``vllm`` profile's formulas from that rule without running it; here it runs. tests/vllm_native.py restates vLLM's
-code (sources cited there). Every check compares bits:
+``vllm`` profile's formulas from that rule without running it; here it runs. roundalign.engine.native restates
+vLLM's code (sources cited there); it is the engine's inductor backend, run here on an HF model's weights through
+tests/vllm_native.py. Every check compares bits:
 
 - per op (realistic shapes: hidden 2048, intermediate 3072, head_dim 128, 300 tokens): compiled native code equals
   the ``vllm`` rule; the same code run eagerly equals the per-op (HF-style) rule instead, and the compiled code
@@ -25,19 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import roundalign
+from roundalign.engine.native import cos_sin_cache, rms_norm_native, rope_native, silu_and_mul_native
 from roundalign.ops import add_rms_norm, residual_add, rms_norm, rope, swiglu
-from tests.vllm_native import (
-    QK_RULES,
-    RESIDUAL_CARRY,
-    apply_name,
-    cos_sin_cache,
-    measure_qwen3,
-    prompts,
-    rms_norm_native,
-    rope_native,
-    silu_and_mul_native,
-    tiny_qwen3,
-)
+from tests.vllm_native import QK_RULES, RESIDUAL_CARRY, apply_name, measure_qwen3, prompts, tiny_qwen3
 
 pytestmark = pytest.mark.slow  # everything here compiles with Inductor
 
@@ -138,7 +129,8 @@ def test_rope_compiled_rounds_once_with_bf16_cache():
     q = _randn(TOKENS, HEADS * HEAD_DIM, seed=4)
     k = _randn(TOKENS, KV_HEADS * HEAD_DIM, seed=5)
     positions = torch.randint(0, MAX_POS, (TOKENS,), generator=torch.Generator().manual_seed(6))
-    cache = cos_sin_cache(HEAD_DIM, MAX_POS, 1e6, BF16)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float) / HEAD_DIM))  # vLLM _compute_inv_freq
+    cache = cos_sin_cache(inv_freq, MAX_POS, BF16)
     torch._dynamo.reset()
     cq, ck = _compile(lambda p, q, k, c: rope_native(p, q, k, c, HEAD_DIM), positions, q, k, cache)
     eq, ek = rope_native(positions, q, k, cache, HEAD_DIM)

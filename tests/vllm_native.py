@@ -1,95 +1,30 @@
-"""vLLM's ``forward_native`` element-wise code, and a vLLM-structured Qwen3, written for the compiled-engine tests.
+"""A vLLM-structured Qwen3 for the compiled-engine measurements, and the rounding-rule references it is compared with.
 
 vLLM's default V1 path (torch.compile + Inductor, custom ops off) traces each layer's ``forward_native`` into Inductor
-graphs split at the attention op (shared/reference/engine-rounding.md s4.1, s5). vLLM itself needs CUDA, so this
-module restates the few lines that matter, in our own words, from the vLLM source read through the code index:
-
-- RMSNorm.forward_native, with and without residual: ``vllm/model_executor/layers/layernorm.py`` @ 00cba797bda4
-  (the 0.11-style code: ``x.to(float32)``; ``x = x + residual.to(float32)``; ``residual = x.to(orig_dtype)``;
-  variance of the fp32 ``x``; ``x * rsqrt(variance + eps)``; ``.to(orig_dtype)``; ``* weight``).
-- SiluAndMul.forward_native: ``vllm/model_executor/layers/activation.py`` @ 00db0119c376
-  (``F.silu(x[..., :d]) * x[..., d:]``).
-- RotaryEmbedding: ``vllm/model_executor/layers/rotary_embedding/base.py`` @ 04458da08417 (cache from an fp32
-  ``einsum`` of positions and inv_freq, ``cat(cos, sin)``, cast to the model dtype; ``forward_native`` indexes the
-  cache by position) and ``common.py`` @ 002d181a55a0 ``apply_rotary_emb_torch`` (NeoX layout:
-  ``cos.unsqueeze(-2).to(x.dtype)``, ``x1*cos - x2*sin``, ``x2*cos + x1*sin``, ``cat``).
-- Qwen3 structure: ``vllm/model_executor/models/qwen3.py`` @ 002456df36fc (q_norm/k_norm per head on the
-  ``q.view(..., heads, head_dim)``, then ``rotary_emb(positions, q, k)``, then attention; the decoder layer carries
-  ``residual`` through the fused add + RMSNorm; the first layer's input norm has no residual; the final norm is
-  fused with the last residual add; logits are computed outside the compiled model).
+graphs split at the attention op (shared/reference/engine-rounding.md s4.1, s5). The restated vLLM code (RMSNorm,
+SiluAndMul, RotaryEmbedding and its cos/sin cache, the decoder structure; sources and commits in its docstring) and
+the piecewise backend live in the engine, ``roundalign.engine.native`` and ``roundalign.engine.compile``; this module
+runs that model on an HF model's weights one prompt at a time (``VllmQwen3``), with a stateless attention op that can
+record its inputs, and compiles it whole or piecewise (``compile_model``).
 
 Deliberate differences from vLLM, none of which touches an element-wise rounding point: q/k/v and gate/up are
-separate linears (vLLM merges them into one GEMM), so that every matmul is HF's own call; attention is
-``F.scaled_dot_product_attention`` (causal, GQA) called exactly as HF's sdpa path calls it, inside an opaque
+separate linears unless ``merged`` (vLLM merges them into one GEMM), so that every matmul is HF's own call; attention
+is ``F.scaled_dot_product_attention`` (causal, GQA) called exactly as HF's sdpa path calls it, inside an opaque
 ``torch.library`` op that stands in for vLLM's ``unified_attention`` splitting op; rotary_dim == head_dim.
+
+The references: ``formula_forward`` composes ``roundalign.ops`` into a model with any residual carry and q/k-norm
+rule, and ``measure_qwen3`` compares the compiled model's logits with it, with ``roundalign.apply`` and stock HF.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.fx.passes.split_module import split_module
 
-# --------------------------------------------------------------------------------------------------------------
-# forward_native, restated
-
-
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """vLLM RMSNorm.forward_native. Returns ``out`` or ``(out, residual)``."""
-    orig_dtype = x.dtype
-    x = x.to(torch.float32)
-    if residual is not None:
-        x = x + residual.to(torch.float32)  # S, fp32
-        residual = x.to(orig_dtype)  # R = r(S), the carried residual
-    variance = x.pow(2).mean(dim=-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    x = x.to(orig_dtype)  # eager: rounds; Inductor (default config): elided inside the fused kernel
-    x = x * weight
-    return x if residual is None else (x, residual)
-
-
-def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
-    """vLLM SiluAndMul.forward_native on the merged ``[gate, up]`` tensor."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
-
-def cos_sin_cache(head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> torch.Tensor:
-    """vLLM RotaryEmbedding's cache: fp32 angles from an einsum, ``cat(cos, sin)``, then cast to ``dtype``."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    t = torch.arange(max_position, dtype=torch.float)
-    freqs = torch.einsum("i,j -> ij", t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-
-
-def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rope_native(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cache: torch.Tensor,
-    head_dim: int,
-    rotary_dim: int | None = None,
-):
-    """vLLM RotaryEmbedding.forward_native (NeoX style) on ``(tokens, heads * head_dim)`` query and key."""
-    rotary_dim = rotary_dim or head_dim
-    positions = positions.flatten()
-    n = positions.shape[0]
-    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
-
-    def one(x):
-        x = x.view(n, -1, head_dim)  # the rotated part, then the pass-through part (empty for Qwen3), as vLLM does
-        rot = _rotate_neox(x[..., :rotary_dim], cos, sin)
-        return torch.cat((rot, x[..., rotary_dim:]), dim=-1)
-
-    return one(query).reshape(query.shape), one(key).reshape(key.shape)
-
+from roundalign.engine.attention import AttentionSpec, causal_attention
+from roundalign.engine.compile import piecewise_backend
+from roundalign.engine.loader import ServedWeights, rope_inv_freq
+from roundalign.engine.native import NativeModel, cos_sin_cache
 
 # --------------------------------------------------------------------------------------------------------------
 # attention: an opaque op, like vLLM's unified_attention, at which the piecewise backend splits
@@ -102,18 +37,15 @@ RECORD_ATTENTION: list | None = None  # set to a list to record every (q, k, v) 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
 ) -> torch.Tensor:
-    """Causal GQA attention on ``(tokens, heads * head_dim)`` tensors, computed as HF's sdpa path computes it."""
+    """Causal GQA attention of one sequence on ``(tokens, heads * head_dim)`` tensors, as HF's sdpa path does it.
+
+    Stateless (no KV cache, one sequence per call), unlike the engine's ``roundalign::unified_attention``, and it
+    can record what it receives; the computation is the engine's ``causal_attention``."""
     if RECORD_ATTENTION is not None:
         RECORD_ATTENTION.append((q.clone(), k.clone(), v.clone()))
-    n = q.shape[0]
-    # HF hands SDPA (1, heads, tokens, head_dim) transposes of contiguous (1, tokens, heads, head_dim) tensors.
-    qh = q.reshape(1, n, num_heads, head_dim).transpose(1, 2)
-    kh = k.reshape(1, n, num_kv_heads, head_dim).transpose(1, 2)
-    vh = v.reshape(1, n, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, dropout_p=0.0, scale=scale, is_causal=True, enable_gqa=num_heads != num_kv_heads
-    )
-    return out.transpose(1, 2).contiguous().reshape(n, num_heads * head_dim)
+    if scale != head_dim**-0.5:
+        raise ValueError(f"scale {scale} is not head_dim**-0.5")
+    return causal_attention(q, k, v, AttentionSpec(num_heads, num_kv_heads, head_dim))
 
 
 @attention.register_fake
@@ -122,140 +54,48 @@ def _(q, k, v, num_heads, num_kv_heads, head_dim, scale):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# vLLM-structured Qwen3 over an HF Qwen3ForCausalLM's weights
+# vLLM-structured Qwen3 over an HF Qwen3ForCausalLM's weights: the engine's inductor-backend model
 
 
-class VllmQwen3(torch.nn.Module):
-    """Qwen3Model.forward as vLLM runs it (the compiled region), on the weights of an HF ``Qwen3ForCausalLM``.
+class VllmQwen3(NativeModel):
+    """The engine's vLLM-structured model (``roundalign.engine.native.NativeModel``) on a bf16 copy of an HF
+    ``Qwen3ForCausalLM``'s weights, with the stateless attention op above, so that a prompt is one forward.
 
     ``forward(input_ids, positions)`` returns the final-norm hidden states (tokens, hidden); ``logits`` applies the
-    lm_head eagerly, outside the compiled region, as vLLM's LogitsProcessor does.
+    lm_head eagerly, outside the compiled region, as vLLM's LogitsProcessor does. ``merged``: one q/k/v GEMM and
+    one gate/up GEMM on concatenated weights, as vLLM's QKVParallelLinear / MergedColumnParallelLinear.
     """
 
     def __init__(self, hf_model, merged: bool = False):
-        super().__init__()
-        cfg = hf_model.config
-        self.hf = hf_model  # weights are shared, not copied
+        weights = ServedWeights(hf_model.config)
+        weights.load(dict(hf_model.state_dict()))  # bf16 already: an exact copy
+        super().__init__(weights, hf_model.config)
         self.merged = merged
-        if merged:  # vLLM's QKVParallelLinear / MergedColumnParallelLinear: one GEMM on concatenated weights
-            for layer in hf_model.model.layers:
+        if merged:
+            for layer in weights.model.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 a.register_buffer(
                     "_qkv", torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), persistent=False
                 )
                 mlp.register_buffer("_gate_up", torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), persistent=False)
-        self.eps = cfg.rms_norm_eps
-        self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.scale = self.head_dim**-0.5
-        theta = cfg.rope_parameters["rope_theta"]
-        dtype = hf_model.model.embed_tokens.weight.dtype
-        self.register_buffer(
-            "cos_sin_cache", cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta, dtype), persistent=False
-        )
 
-    def _attn(self, layer, positions, h):
-        a = layer.self_attn
-        if self.merged:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(h, a._qkv).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = F.linear(h, a.q_proj.weight), F.linear(h, a.k_proj.weight), F.linear(h, a.v_proj.weight)
-        q = rms_norm_native(q.view(*q.shape[:-1], -1, self.head_dim), a.q_norm.weight, self.eps).view(q.shape)
-        k = rms_norm_native(k.view(*k.shape[:-1], -1, self.head_dim), a.k_norm.weight, self.eps).view(k.shape)
-        q, k = rope_native(positions, q, k, self.cos_sin_cache, self.head_dim)
-        o = torch.ops.vllm_native.attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
-        return F.linear(o, a.o_proj.weight)
+    def attention(self, layer, q, k, v):
+        return torch.ops.vllm_native.attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               self.head_dim**-0.5)
 
-    def _mlp(self, mlp, h):
-        # vLLM merges gate and up into one GEMM; two linears keep HF's matmuls. SiluAndMul reads [gate, up].
-        if self.merged:
-            gate_up = F.linear(h, mlp._gate_up)
-        else:
-            gate_up = torch.cat((F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight)), dim=-1)
-        return F.linear(silu_and_mul_native(gate_up), mlp.down_proj.weight)
+    def qkv(self, attn, h):
+        if not self.merged:
+            return super().qkv(attn, h)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return F.linear(h, attn._qkv).split([q_size, kv_size, kv_size], dim=-1)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        m = self.hf.model
-        h = F.embedding(input_ids, m.embed_tokens.weight)
-        residual = None
-        for layer in m.layers:  # Qwen3DecoderLayer.forward
-            if residual is None:
-                residual = h
-                h = rms_norm_native(h, layer.input_layernorm.weight, self.eps)
-            else:
-                h, residual = rms_norm_native(h, layer.input_layernorm.weight, self.eps, residual)
-            h = self._attn(layer, positions, h)
-            h, residual = rms_norm_native(h, layer.post_attention_layernorm.weight, self.eps, residual)
-            h = self._mlp(layer.mlp, h)
-        h, _ = rms_norm_native(h, m.norm.weight, self.eps, residual)
-        return h
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.hf.lm_head.weight)
+    def gate_up(self, mlp, h):
+        return F.linear(h, mlp._gate_up) if self.merged else super().gate_up(mlp, h)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# compiling: one whole graph, or piecewise (split at attention, each piece its own Inductor graph, as vLLM does)
-
-
-def _is_attention(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (
-        torch.ops.vllm_native.attention,
-        torch.ops.vllm_native.attention.default,
-    )
-
-
-class _CompilePieces(torch.fx.Interpreter):
-    """Runs the split graph on dynamo's fake inputs and compiles each non-attention piece with Inductor.
-
-    This is what vLLM's ``PiecewiseCompileInterpreter`` does (vllm/compilation/backends.py): every piece between
-    two splitting ops gets its own ``compile_fx`` call, so Inductor must materialize each piece's outputs in bf16.
-    """
-
-    def __init__(self, module, attention_pieces, log):
-        super().__init__(module)
-        self.attention_pieces = attention_pieces
-        self.log = log
-
-    def call_module(self, target, args, kwargs):
-        out = super().call_module(target, args, kwargs)
-        if target not in self.attention_pieces:
-            from torch._inductor.compile_fx import compile_fx
-
-            sub = self.fetch_attr(target)
-            self.module.__dict__[target] = compile_fx(sub, list(args))
-            self.log.append(target)
-        return out
-
-
-def piecewise_backend(log: list | None = None):
-    """A torch.compile backend that splits the dynamo graph at every attention op, as vLLM's ``split_graph`` does."""
-    log = [] if log is None else log
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        from torch._guards import detect_fake_mode
-
-        piece, assign, attention_pieces = 0, {}, set()
-        for node in gm.graph.nodes:
-            if node.op in ("placeholder", "output"):
-                continue
-            if _is_attention(node):
-                piece += 1
-                assign[node] = piece
-                attention_pieces.add(f"submod_{piece}")
-                piece += 1
-            else:
-                assign[node] = piece
-        split = split_module(gm, None, lambda n: assign[n], keep_original_order=True)
-        fake_mode = detect_fake_mode(example_inputs)
-        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-        with fake_mode:
-            _CompilePieces(split, attention_pieces, log).run(*fake_args)
-        return split
-
-    return backend
+# compiling: one whole graph, or piecewise (the engine's backend: split at attention, each piece its own Inductor
+# graph, as vLLM does)
 
 
 def compile_model(model: VllmQwen3, mode: str, dynamic: bool = True, log: list | None = None):
@@ -265,7 +105,7 @@ def compile_model(model: VllmQwen3, mode: str, dynamic: bool = True, log: list |
     Returns ``run(input_ids, positions) -> hidden``.
     """
     torch._dynamo.reset()
-    backend = "inductor" if mode == "whole" else piecewise_backend(log)
+    backend = "inductor" if mode == "whole" else piecewise_backend([torch.ops.vllm_native.attention], log)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
 
     def run(input_ids, positions):
@@ -306,6 +146,12 @@ def tiny_qwen3(seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
+    return realistic_init(model, seed)
+
+
+def realistic_init(model, seed: int):
+    """Overwrite every parameter at realistic scale (see ``tiny_qwen3``); biases ~ N(0, 0.1^2). Returns the model,
+    frozen, in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -313,6 +159,8 @@ def tiny_qwen3(seed: int = 0, **overrides):
                 p.copy_(torch.exp(0.4 * torch.randn(p.shape, generator=g)))
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
     model.requires_grad_(False)
@@ -364,7 +212,7 @@ def formula_forward(
     cfg, m = hf_model.config, hf_model.model
     eps, d = cfg.rms_norm_eps, cfg.head_dim
     bf16 = m.embed_tokens.weight.dtype
-    cache = cos_sin_cache(d, cfg.max_position_embeddings, cfg.rope_parameters["rope_theta"], bf16)
+    cache = cos_sin_cache(rope_inv_freq(cfg)[0], cfg.max_position_embeddings, bf16)
     n = input_ids.shape[0]
     cos, sin = cache.index_select(0, torch.arange(n)).chunk(2, dim=-1)
     cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
@@ -418,7 +266,7 @@ def first_layer_qk(hf_model, input_ids: torch.Tensor, rule: str):
     cfg, m = hf_model.config, hf_model.model
     layer, d, eps, n = m.layers[0], cfg.head_dim, cfg.rms_norm_eps, input_ids.shape[0]
     bf16 = m.embed_tokens.weight.dtype
-    cache = cos_sin_cache(d, cfg.max_position_embeddings, cfg.rope_parameters["rope_theta"], bf16)
+    cache = cos_sin_cache(rope_inv_freq(cfg)[0], cfg.max_position_embeddings, bf16)
     cos, sin = cache[:n].chunk(2, dim=-1)
     cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
     a = layer.self_attn

@@ -1,0 +1,278 @@
+"""``Engine``: a CPU reference rollout engine with its own served bf16 weights and its own numerics.
+
+``generate`` runs batched generation the way vLLM schedules it: one prefill of every prompt (flattened, no
+padding), then one decode step per token with a KV cache, each sequence leaving the batch when it stops. ``score``
+recomputes the log-probs of given completions two ways: ``prefill`` (each sequence alone, one forward, the shapes a
+trainer uses) and ``decode`` (a replay of what ``generate`` computed, bitwise). ``hidden_states`` returns the
+residual stream after every decoder layer. ``load_weights`` replaces the served copy in place.
+
+The engine is a reference for tests, demos and experiments on the CPU. At scale, sample with vLLM or SGLang and
+compare their log-probs with ``roundalign probe --engine-logprobs dump.jsonl`` (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from roundalign.engine import compile as _compile
+from roundalign.engine.attention import AttentionSpec, KVCache, PrefillShapes, Step, forward_context
+from roundalign.engine.loader import head_dim, load
+from roundalign.engine.model import KernelsModel
+from roundalign.engine.native import NativeModel
+from roundalign.engine.sampling import SamplingParams, process, request_generators, sample, token_logprobs
+from roundalign.profiles import get_profile
+
+BACKENDS = ("kernels", "inductor")
+_PIECEWISE = []
+
+
+def _piecewise():
+    if not _PIECEWISE:
+        _PIECEWISE.append(_compile.piecewise_backend([torch.ops.roundalign.unified_attention]))
+    return _PIECEWISE[0]
+SCORE_MODES = ("prefill", "decode")
+
+
+@dataclass
+class Completion:
+    """One sequence of a ``generate`` call. ``token_ids`` includes a stop token (with its log-prob), as vLLM does
+    for EOS; ``finish_reason`` is ``"stop"`` (a stop or EOS token) or ``"length"`` (max_tokens or the context)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str | None = None
+
+
+class Engine:
+    """``Engine(model_or_path, profile="vllm", backend="kernels")``.
+
+    ``model_or_path``: an HF Qwen3 / Qwen2 / Llama ``*ForCausalLM`` (its weights are copied to bf16; later
+    changes to it do not reach the engine) or a directory written by ``save_pretrained`` (its tokenizer is loaded
+    if present). ``profile``: a profile name or ``Profile``; the ``kernels`` backend computes each region by its
+    formula. ``backend``: ``"kernels"`` (per-op formulas, eager) or ``"inductor"`` (vLLM's forward_native code
+    compiled piecewise; its rounding points are the compiler's and do not depend on the profile).
+    """
+
+    def __init__(self, model_or_path, profile="vllm", backend: str = "kernels", *, tokenizer=None):
+        self.profile = get_profile(profile)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer)
+        self.max_model_len = int(self.config.max_position_embeddings)
+        self.vocab_size = int(self.config.vocab_size)
+        self._spec = AttentionSpec(self.config.num_attention_heads, self.config.num_key_value_heads,
+                                   head_dim(self.config))
+        self.compile_stats = {"graphs": 0, "pieces": 0, "seconds": 0.0}  # what this engine's calls compiled
+        if backend == "kernels":
+            self._model = KernelsModel(self.weights, self.config, self.profile)
+        else:
+            self._model = NativeModel(self.weights, self.config)
+            # One backend object for every engine: dynamo guards on the backend, so engines of one model shape
+            # share the compiled graph instead of compiling their own.
+            self._compiled = torch.compile(self._model, backend=_piecewise(), fullgraph=True, dynamic=None)
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.config.model_type}, profile={self.profile.name!r}, backend={self.backend!r}, "
+                f"layers={self.config.num_hidden_layers})")
+
+    # ----------------------------------------------------------------------------------------------------------
+    # forward
+
+    def _forward(self, input_ids: torch.Tensor, step: Step, capture: bool = False):
+        """Final-norm hidden states (rows, hidden) of one step, and ``R`` after every layer when ``capture``."""
+        if self.backend == "kernels":
+            return self._model.forward(input_ids, step, capture)
+        n = input_ids.shape[0]
+        positions = step.positions()
+        if n == 1:  # dynamo specializes a size-1 dim: pad to two rows rather than compile a second graph
+            input_ids, positions = torch.cat((input_ids, input_ids)), torch.cat((positions, positions))
+        _compile.mark_tokens_dynamic(input_ids, positions)
+        before = dict(_compile.COMPILE_STATS)
+        t0 = time.perf_counter()
+        with forward_context(step):
+            out = self._compiled(input_ids, positions, capture)
+        if _compile.COMPILE_STATS["graphs"] != before["graphs"]:  # this call compiled: count its wall time
+            self.compile_stats["graphs"] += _compile.COMPILE_STATS["graphs"] - before["graphs"]
+            self.compile_stats["pieces"] += _compile.COMPILE_STATS["pieces"] - before["pieces"]
+            self.compile_stats["seconds"] += time.perf_counter() - t0
+        hidden, captured = out if capture else (out, ())
+        return hidden[:n], [h[:n] for h in captured]
+
+    def _logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:
+        if self.backend == "kernels":
+            return self._model.logits(hidden, step, groups)
+        return self._model.logits(hidden)  # outside the compiled region, as vLLM's LogitsProcessor
+
+    def _rollout(self, prompts: list[list[int]], budgets: list[int], choose: Callable, shapes=None) -> None:
+        """One batched prefill, then decode steps. ``choose(active, logits)`` gets the fp32 logits of the active
+        sequences' next tokens and returns (next token, finished) per active sequence."""
+        cache = KVCache(self.config.num_hidden_layers, len(prompts),
+                        max(len(p) + b for p, b in zip(prompts, budgets, strict=True)), self._spec)
+        lengths = [len(p) for p in prompts]
+        step = Step.prefill(lengths, cache, self._spec, shapes)
+        with torch.no_grad():
+            hidden, _ = self._forward(torch.tensor([t for p in prompts for t in p]), step)
+            logits = self._logits(hidden[step.last_rows()], step, step.last_groups())
+            active = list(range(len(prompts)))
+            while True:
+                picks = choose(active, logits.float())
+                feed = [(seq, tok) for seq, (tok, done) in zip(active, picks, strict=True) if not done]
+                if not feed:
+                    return
+                active = [seq for seq, _ in feed]
+                step = Step.decode(active, [lengths[s] for s in active], cache, self._spec, shapes)
+                for s in active:
+                    lengths[s] += 1
+                hidden, _ = self._forward(torch.tensor([tok for _, tok in feed]), step)
+                logits = self._logits(hidden, step, list(step.groups()))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # public API
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[Completion]:
+        """Sample one completion per prompt (token-id lists, or strings when the engine has a tokenizer)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompts)
+        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        budgets = [min(params.max_tokens, self.max_model_len - len(p)) for p in ids]  # context limit -> "length"
+        generators = request_generators(params.seed, len(ids))
+        outs = [Completion(list(p), [], [], "length") for p in ids]
+
+        def choose(active, logits):
+            processed = process(logits, params)
+            tokens = sample(processed, params, [generators[s] for s in active])
+            lps = token_logprobs(logits, processed, tokens, params.logprobs_mode)
+            picks = []
+            for seq, tok, lp in zip(active, tokens.tolist(), lps.tolist(), strict=True):
+                out = outs[seq]
+                out.token_ids.append(tok)
+                out.logprobs.append(lp)
+                if tok in stop:
+                    out.finish_reason = "stop"
+                picks.append((tok, tok in stop or len(out.token_ids) == budgets[seq]))
+            return picks
+
+        self._rollout(ids, budgets, choose)
+        if self.tokenizer is not None:
+            for out in outs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outs
+
+    def score(self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=()) -> list[torch.Tensor]:
+        """Raw (full-vocabulary, temperature 1) fp32 log-probs of each completion token, one 1-D tensor each.
+
+        ``mode="prefill"``: each sequence alone, one forward over prompt + completion (positions 0..n-1), the rows
+        ``n_prompt - 1 .. n - 2`` of its log-softmax: the shapes a trainer uses. ``mode="decode"``: a replay of
+        ``generate`` (one batched prefill, then decode steps feeding the given tokens, sequences leaving the batch
+        when their completion ends), bitwise equal to ``generate``'s raw log-probs for the same batch.
+        ``prefill_shaped`` (decode only, kernels backend): ``"attention"`` and/or ``"matmul"`` are computed with
+        the one-sequence prefill's shapes in every step (docs/engine.md, decode-shape attribution).
+        """
+        if mode not in SCORE_MODES:
+            raise ValueError(f"unknown score mode {mode!r}; choose one of {', '.join(SCORE_MODES)}")
+        prompts, completions = self._prompt_ids(prompt_ids), [self._token_list(c, "completion") for c in completion_ids]
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions; pass one completion each")
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            self._check_ids(c, f"completion {i}", allow_empty=False)
+            if len(p) + len(c) > self.max_model_len:
+                raise ValueError(f"prompt {i} + completion is {len(p) + len(c)} tokens, more than max_model_len "
+                                 f"{self.max_model_len}")
+        shaped = self._check_shaped(prefill_shaped, mode)
+        if mode == "prefill":
+            return [self._prefill_logprobs(p + c)[len(p) - 1 : -1].gather(1, torch.tensor(c)[:, None])[:, 0]
+                    for p, c in zip(prompts, completions, strict=True)]
+        out: list[list[float]] = [[] for _ in prompts]
+
+        def choose(active, logits):
+            lps = logits.log_softmax(dim=-1)
+            picks = []
+            for row, seq in enumerate(active):
+                k = len(out[seq])
+                out[seq].append(lps[row, completions[seq][k]])
+                picks.append((completions[seq][k], k + 1 == len(completions[seq])))
+            return picks
+
+        shapes = PrefillShapes(shaped, [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)])
+        self._rollout(prompts, [len(c) for c in completions], choose, shapes if shaped else None)
+        return [torch.stack(lps) for lps in out]
+
+    def _prefill_logprobs(self, ids: list[int], capture: bool = False):
+        cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec)
+        step = Step.prefill([len(ids)], cache, self._spec)
+        with torch.no_grad():
+            hidden, captured = self._forward(torch.tensor(ids), step, capture)
+            lps = self._logits(hidden, step, list(step.groups())).float().log_softmax(dim=-1)
+        return (lps, captured) if capture else lps
+
+    def hidden_states(self, token_ids) -> list[torch.Tensor]:
+        """Prefill of one sequence: the residual ``R = r(S)`` after every decoder layer, bf16 ``(tokens, hidden)``
+        each, ``num_hidden_layers`` of them. The last one is before the final norm (HF's last hidden state is after
+        it); the others equal HF's ``output_hidden_states[1:-1]``."""
+        ids = self._token_list(token_ids, "token_ids")
+        self._check_ids(ids, "token_ids", allow_empty=False)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens, more than max_model_len {self.max_model_len}")
+        return self._prefill_logprobs(ids, capture=True)[1]
+
+    def load_weights(self, state_dict: dict, rounding: str = "rne") -> None:
+        """Replace the served copy from HF-named tensors (fp32 master or bf16), rounding to bf16 per ``rounding``.
+        In place: a compiled graph keeps running without a recompile."""
+        self.weights.load(state_dict, rounding)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # input checks
+
+    def _token_list(self, ids, what: str) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+        return list(ids)
+
+    def _check_ids(self, ids: list[int], what: str, allow_empty: bool = True) -> None:
+        if not ids and not allow_empty:
+            raise ValueError(f"{what} is empty; pass at least one token id")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size}); "
+                             "check the tokenizer matches the model")
+
+    def _prompt_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a non-empty list of prompts (token-id lists, or strings with a tokenizer)")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer: load the engine from a directory with "
+                                     "tokenizer files, pass tokenizer=, or pass token ids")
+                p = self.tokenizer.encode(p)  # special tokens as the tokenizer adds them, like vLLM
+            p = self._token_list(p, f"prompt {i}")
+            self._check_ids(p, f"prompt {i}", allow_empty=False)
+            if len(p) > self.max_model_len - 1:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves room "
+                                 f"for at most {self.max_model_len - 1} (prompts are never truncated)")
+            out.append(p)
+        return out
+
+    def _check_shaped(self, prefill_shaped, mode: str) -> frozenset:
+        parts = (prefill_shaped,) if isinstance(prefill_shaped, str) else tuple(prefill_shaped or ())
+        unknown = [p for p in parts if p not in PrefillShapes.PARTS]
+        if unknown:
+            raise ValueError(f"unknown prefill_shaped part(s) {unknown}; choose from {PrefillShapes.PARTS}")
+        if parts and mode != "decode":
+            raise ValueError("prefill_shaped applies to mode='decode' only (a prefill already has those shapes)")
+        if parts and self.backend != "kernels":
+            raise ValueError("prefill_shaped needs the kernels backend; the inductor backend's compiled graph cannot "
+                             "run a part with other shapes")
+        return frozenset(parts)

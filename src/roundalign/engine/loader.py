@@ -1,0 +1,286 @@
+"""The engine's served copy of the weights: where it comes from, what it must look like, and how it is replaced.
+
+An engine serves its own bf16 copy of the policy, separate from the trainer's parameters: in RL the trainer updates
+its (often fp32 master) weights and pushes them to the engine, which rounds them to bf16 on the way in. The served
+copy here is ``ServedWeights``, a tree of modules whose buffers carry HF's state_dict names
+(``model.layers.0.self_attn.q_proj.weight`` ...), so that ``load_weights`` takes an HF state_dict as it is. The
+modules hold tensors only; the numerics live in ``model.py`` (kernels backend) and ``native.py`` (inductor backend).
+
+Loading checks everything before it changes anything, and every error names the file or tensor and the fix:
+missing or corrupt model directory, unsupported family or attention/RoPE variant, unknown or missing tensors,
+wrong shapes, an unknown rounding mode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama")
+ROUNDINGS = ("rne",)  # the RL weight-sync issue adds the others
+_JSONL_HINT = (
+    "For other models, sample with vLLM or SGLang and compare their log-probs with "
+    "`roundalign probe --engine-logprobs dump.jsonl`."
+)
+
+
+def check_config(config) -> None:
+    """Refuse what the engine does not implement, before any weight is read."""
+    from roundalign.rotary import check_rope
+
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"roundalign.engine supports the dense families {', '.join(SUPPORTED_FAMILIES)}; got model_type "
+            f"{family!r}. {_JSONL_HINT}"
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"the engine's MLP is SwiGLU and needs hidden_act='silu', got {act!r}. {_JSONL_HINT}")
+    sliding = getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(config, "layer_types", None) or ())
+    )
+    if sliding:
+        raise ValueError(
+            "the engine implements full causal attention only; this config uses sliding-window layers "
+            "(use_sliding_window / layer_types). Set use_sliding_window=False if the checkpoint allows it. "
+            + _JSONL_HINT
+        )
+    check_rope(config)
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """(fp32 inv_freq, attention scaling) from the config, as an engine computes them at load; the same function
+    the patched trainer uses (``roundalign.rotary.engine_inv_freq``) with the family's default RoPE init."""
+    import importlib
+
+    from roundalign.rotary import engine_inv_freq
+
+    family = config.model_type
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")
+    return engine_inv_freq(config, rotary.compute_default_rope_parameters)
+
+
+_CLASS_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the served copy
+
+
+class _Linear(nn.Module):
+    def __init__(self, out_features: int, in_features: int, bias: bool):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.bfloat16) if bias else None)
+
+
+class _Weight(nn.Module):
+    """A norm's or the embedding's ``weight``."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(*shape, dtype=torch.bfloat16))
+
+
+class _Attention(nn.Module):
+    def __init__(self, config, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        d, h = head_dim(config), config.hidden_size
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        self.q_proj, self.k_proj = _Linear(q, h, qkv_bias), _Linear(kv, h, qkv_bias)
+        self.v_proj = _Linear(kv, h, qkv_bias)
+        self.o_proj = _Linear(h, q, o_bias)
+        self.q_norm = _Weight(d) if qk_norm else None
+        self.k_norm = _Weight(d) if qk_norm else None
+
+
+class _MLP(nn.Module):
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = _Linear(i, h, bias), _Linear(i, h, bias), _Linear(h, i, bias)
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, **attention_kw):
+        super().__init__()
+        self.input_layernorm = _Weight(config.hidden_size)
+        self.self_attn = _Attention(config, **attention_kw)
+        self.post_attention_layernorm = _Weight(config.hidden_size)
+        self.mlp = _MLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+
+
+class _Body(nn.Module):
+    def __init__(self, config, **attention_kw):
+        super().__init__()
+        self.embed_tokens = _Weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_Layer(config, **attention_kw) for _ in range(config.num_hidden_layers))
+        self.norm = _Weight(config.hidden_size)
+
+
+class ServedWeights(nn.Module):
+    """bf16 tensors under HF's names: ``model.embed_tokens``, ``model.layers[i]...``, ``model.norm``, ``lm_head``.
+
+    Biases follow each family's HF modules: Qwen2 has q/k/v biases; Qwen3 and Llama have q/k/v/o biases only with
+    ``attention_bias``, and Llama MLP biases with ``mlp_bias``. With ``tie_word_embeddings`` the lm_head weight is
+    the embedding tensor itself, as in HF.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        family = config.model_type
+        bias = bool(getattr(config, "attention_bias", False))
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = _Body(
+            config, qk_norm=family == "qwen3", qkv_bias=bias or family == "qwen2", o_bias=bias and family != "qwen2"
+        )
+        self.lm_head = _Linear(config.vocab_size, config.hidden_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        """Every tensor a state_dict must provide, by HF name (the tied lm_head is optional)."""
+        return dict(self.state_dict(keep_vars=True))
+
+    @torch.no_grad()
+    def load(self, state_dict: dict, rounding: str = "rne") -> None:
+        """Copy HF-named tensors (fp32 or bf16) into the served copy, rounding to bf16 per ``rounding``, in place."""
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_weights needs a dict of HF-named tensors (a state_dict), got {type(state_dict)}")
+        expected = self.expected()
+        unknown = sorted(set(state_dict) - set(expected))
+        if unknown:
+            raise ValueError(
+                f"unknown tensor name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the served copy has "
+                f"{len(expected)} tensors named as in HF's {type(self).__name__} state_dict (e.g. "
+                "'model.layers.0.self_attn.q_proj.weight'); strip wrapper prefixes such as 'module.' or '_orig_mod.'"
+            )
+        optional = {"lm_head.weight"} if self.tied else set()
+        missing = sorted(set(expected) - set(state_dict) - optional)
+        if missing:
+            raise ValueError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                             "load_weights replaces the whole served copy, pass every tensor")
+        for name, src in state_dict.items():
+            dst = expected[name]
+            if not isinstance(src, torch.Tensor) or not src.is_floating_point():
+                raise TypeError(f"tensor {name!r} must be a floating-point torch.Tensor, got {_describe(src)}")
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, the model needs {tuple(dst.shape)}")
+        if self.tied and "lm_head.weight" in state_dict and "model.embed_tokens.weight" in state_dict:
+            a, b = state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]
+            if a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
+                raise ValueError("tie_word_embeddings is set but 'lm_head.weight' differs from "
+                                 "'model.embed_tokens.weight'; pass one of them, or untie the config")
+        for name, src in state_dict.items():
+            # RNE: torch's fp32 -> bf16 cast rounds to nearest, ties to even. In place: compiled graphs read these.
+            expected[name].copy_(src.detach().to(device="cpu", dtype=torch.bfloat16))
+
+
+def _describe(x) -> str:
+    return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+# --------------------------------------------------------------------------------------------------------------
+# from an HF model or a directory
+
+
+def load(model_or_path, tokenizer=None):
+    """(config, ServedWeights, tokenizer or None, eos token ids) from an HF ``*ForCausalLM`` or a model directory."""
+    if isinstance(model_or_path, nn.Module):
+        config = getattr(model_or_path, "config", None)
+        if config is None:
+            raise TypeError(f"expected an HF *ForCausalLM (with .config), got {type(model_or_path).__name__}")
+        check_config(config)
+        weights = ServedWeights(config)
+        # A copy: later changes to the HF model (a training step) do not reach the engine until load_weights.
+        weights.load(dict(model_or_path.state_dict()))
+        gen = getattr(model_or_path, "generation_config", None)
+        return config, weights, tokenizer, _eos_ids(config, gen)
+    if not isinstance(model_or_path, (str, Path)):
+        raise TypeError(f"Engine needs an HF *ForCausalLM or a model directory path, got "
+                        f"{type(model_or_path).__name__}")
+    path = Path(model_or_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a directory written by "
+                                "save_pretrained (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; pass a directory written by save_pretrained")
+    config = _read_config(path)
+    check_config(config)
+    weights = ServedWeights(config)
+    weights.load(_read_safetensors(path))
+    if tokenizer is None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = _read_tokenizer(path)
+    return config, weights, tokenizer, _eos_ids(config, _read_generation_config(path))
+
+
+def _read_config(path: Path):
+    import transformers
+
+    try:
+        json.loads((path / "config.json").read_text())
+        return transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read {str(path / 'config.json')!r} ({e}); re-save the model with "
+                         "save_pretrained") from e
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(path)!r}; save the model with "
+                         "save_pretrained(..., safe_serialization=True), the default")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"corrupt or unreadable weights file {str(f)!r} ({e}); re-save the model") from e
+    return state
+
+
+def _read_tokenizer(path: Path):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r} ({e}); fix or remove its tokenizer files, "
+                         "or pass tokenizer= explicitly") from e
+
+
+def _read_generation_config(path: Path):
+    import transformers
+
+    if not (path / "generation_config.json").is_file():
+        return None
+    try:
+        return transformers.GenerationConfig.from_pretrained(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot read {str(path / 'generation_config.json')!r} ({e})") from e
+
+
+def _eos_ids(config, generation_config) -> frozenset[int]:
+    """End-of-sequence ids from the config and the generation config, as vLLM collects them."""
+    ids: set[int] = set()
+    for source in (config, generation_config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else eos)
+    return frozenset(int(i) for i in ids)
