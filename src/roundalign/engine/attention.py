@@ -6,7 +6,8 @@ which positions; the model code never sees padding. Attention then is
 
 - prefill: per sequence, ``F.scaled_dot_product_attention`` called exactly as HF's sdpa path calls it for one
   unpadded sequence (``causal_attention``), so a one-sequence prefill matches the trainer bit for bit;
-- decode: one batched SDPA over a padded per-slot KV cache, with a boolean mask hiding each slot's unused tail.
+- decode: one batched attention over a padded per-slot KV cache, with a mask hiding each slot's unused tail, written
+  so that a sequence's result does not depend on the other sequences of the batch (``_decode_attention``).
 
 The ``inductor`` backend calls it through ``roundalign::unified_attention``, an opaque ``torch.library`` op that
 stands in for vLLM's ``unified_attention``: the piecewise compiler splits the graph there, and the op reads its
@@ -140,7 +141,7 @@ class Step:
     @cached_property
     def _mask(self) -> torch.Tensor:
         lengths = torch.tensor(self.offsets) + 1
-        return (torch.arange(int(lengths.max()))[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, L)
+        return (torch.arange(int(lengths.max()))[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, L): key valid
 
 
 def _write_cache(layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -157,18 +158,25 @@ def _write_cache(layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> No
 
 
 def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
+    """One query row per sequence against its cached keys, batched over sequences and written so that a sequence's
+    result does not depend on the batch: a cache slot is padded to the longest sequence of the step, and every
+    reduction over keys is a matmul, which adds the padded keys' exact zeros after the real terms (a row reduction
+    such as ``sum`` or SDPA's fused softmax regroups its terms with the padded length; measured on this CPU). fp32
+    throughout, rounded once to bf16 at the output."""
     spec, cache, mask = step.spec, step.cache, step._mask
-    b, length, d = len(step.seqs), mask.shape[-1], spec.head_dim
+    b, length, d, kvh = len(step.seqs), mask.shape[-1], spec.head_dim, spec.num_kv_heads
     if step._contiguous:
         kc, vc = cache.k[layer, :b, :length], cache.v[layer, :b, :length]
     else:
         kc, vc = cache.k[layer][step._slots, :length], cache.v[layer][step._slots, :length]
-    kh = kc.view(b, length, spec.num_kv_heads, d).transpose(1, 2)  # (B, kv_heads, L, D)
-    vh = vc.view(b, length, spec.num_kv_heads, d).transpose(1, 2)
-    qh = q[:b].view(b, 1, spec.num_heads, d).transpose(1, 2)  # (B, heads, 1, D)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=spec.scale,
-                                         enable_gqa=spec.num_heads != spec.num_kv_heads)
-    return out.transpose(1, 2).reshape(b, spec.num_heads * d)
+    k32 = kc.view(b, length, kvh, d).permute(0, 2, 3, 1).float()  # (B, kv_heads, D, L)
+    v32 = vc.view(b, length, kvh, d).transpose(1, 2).float()  # (B, kv_heads, L, D)
+    # GQA: query heads j * group ... (j + 1) * group - 1 read kv head j, as HF's repeat_kv pairs them.
+    q32 = q[:b].view(b, kvh, spec.num_heads // kvh, d).float()  # (B, kv_heads, group, D)
+    scores = (q32 @ k32 * spec.scale).masked_fill(~mask, float("-inf"))  # (B, kv_heads, group, L)
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # exactly 0 at masked keys
+    out = (e @ v32) / (e @ torch.ones(length, 1))  # softmax(scores) @ v, both sums as matmuls
+    return out.reshape(b, spec.num_heads * d).to(torch.bfloat16)
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
