@@ -1,4 +1,4 @@
-# roundalign: make test | make demo | make lint
+# roundalign: make test | make demo (roundalign probe) | make lint
 #
 # Every target that runs code first makes .venv (python3 -m venv) and installs into it, once:
 #   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml | $(PY)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
+# two backends. Writes probe-out/report.json and three plots.
 demo: $(STAMP)
-	$(VENV)/bin/roundalign profiles
+	$(VENV)/bin/roundalign probe --out probe-out
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

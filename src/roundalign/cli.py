@@ -7,6 +7,7 @@ Usage::
     roundalign profiles vllm            # one profile in detail: rule, formula, whether it differs from HF
     roundalign profiles --json          # all profiles as JSON (a list of Profile.to_dict())
     roundalign profiles vllm --json     # one profile as JSON; Profile.load() reads it back
+    roundalign probe                    # the mismatch audit on the shipped model (roundalign.probe.cli)
 
 Formulas use the notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16, everything
 inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
@@ -170,6 +171,32 @@ def _profiles(args: argparse.Namespace) -> int:
         console.print(_detail_table(profiles[0]))
     else:
         console.print(_overview_table(profiles, args.sources, console.width))
+    return OK
+
+
+# -----------------------------------------------------------------------------
+# roundalign probe [...]: the mismatch audit (roundalign.probe.cli holds its options and the run)
+
+
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.probe.cli import add_arguments
+
+    add_arguments(parser)
+
+
+@command("probe", "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer by layer",
+         _probe_arguments)
+def _probe(args: argparse.Namespace) -> int:
+    from roundalign.probe.cli import run
+
+    console = _console()
+    if console is None:
+        return MISSING_DEPENDENCY
+    try:
+        run(args, console)
+    except (ValueError, FileNotFoundError) as exc:
+        _error(str(exc))
+        return USAGE
     return OK
 
 

@@ -1,0 +1,111 @@
+"""Which region, and which layer, a trainer/engine mismatch comes from.
+
+Per region: start from a trainer profile (stock ``hf``, say), switch exactly one region to the engine profile's
+rule, recompute the trainer's log-probs, and see how much of the mismatch is gone. A region's ``share`` is
+``(base - value) / (base - target)``: ``base`` is the mismatch of the trainer profile as it is, ``target`` the
+mismatch with every region switched (the engine profile itself), ``value`` the mismatch with only this region
+switched. Rounding errors interact (a region's rounding can hide or amplify another's), so shares are a map, not
+a partition: they need not add up to 1, and the report keeps the raw values next to them.
+
+Per layer: the probe compares the residual stream after each decoder layer, trainer vs engine, in prefill
+(``roundalign.probe.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roundalign.probe.report import region_share
+from roundalign.profiles import REGIONS, Profile, get_profile
+
+# The metric the shares are computed on: RMS of the per-token log-ratio, in nats. Unlike k3_kl it is linear in
+# the size of the error, so halving every deviation halves it, and a share reads as "fraction of the deviation".
+SHARE_METRIC = "mismatch/log_ratio_rms"
+# What each region entry keeps besides the share metric.
+KEPT_METRICS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "sampling/sampling_logp_difference/max")
+
+
+@dataclass(frozen=True)
+class RegionSwitch:
+    """One region of ``base`` switched to the engine's rule; ``profile`` is None when the rules already agree."""
+
+    region: str
+    trainer_rule: str
+    engine_rule: str
+    profile: Profile | None
+
+
+def _region_in_model(region: str, config) -> bool:
+    if region == "qk_norm":
+        return config.model_type in ("qwen3", "qwen3_moe")
+    if region == "expert_swiglu":
+        return config.model_type == "qwen3_moe"
+    if region == "swiglu" and config.model_type == "qwen3_moe":
+        # Qwen3-MoE has dense MLPs only in its mlp_only_layers (or when decoder_sparse_step skips layers).
+        return bool(getattr(config, "mlp_only_layers", None)) or getattr(config, "decoder_sparse_step", 1) > 1
+    return True
+
+
+def region_switches(base: str | Profile, engine: str | Profile, config) -> list[RegionSwitch]:
+    """The one-region switches from ``base`` toward ``engine`` for a model with this HF ``config``.
+
+    Regions the model does not have (q/k norm outside Qwen3, expert SwiGLU outside MoE) are left out; the
+    probe's notes say so. RoPE rules are compared as they apply at this model's head_dim.
+    """
+    base, engine = get_profile(base), get_profile(engine)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out = []
+    for region in REGIONS:
+        if not _region_in_model(region, config):
+            continue
+        if region == "rope":
+            t, e = base.rope_for(head_dim), engine.rope_for(head_dim)
+        else:
+            t, e = getattr(base, region), getattr(engine, region)
+        profile = None if t == e else base.replace(**{region: e})
+        out.append(RegionSwitch(region, str(t), str(e), profile))
+    return out
+
+
+def missing_regions(config) -> list[str]:
+    return [r for r in REGIONS if not _region_in_model(r, config)]
+
+
+def attribution_entry(
+    *,
+    base: Profile,
+    engine: Profile,
+    backend: str,
+    reference: str,
+    base_metrics: dict,
+    target_metrics: dict,
+    switches: list[RegionSwitch],
+    switch_metrics: dict[str, dict],
+) -> dict:
+    """The report's attribution entry for one (trainer profile, backend, reference)."""
+    b, t = base_metrics[SHARE_METRIC], target_metrics[SHARE_METRIC]
+    regions = []
+    for s in switches:
+        m = base_metrics if s.profile is None else switch_metrics[s.region]
+        value = m[SHARE_METRIC]
+        regions.append(
+            {
+                "region": s.region,
+                "trainer_rule": s.trainer_rule,
+                "engine_rule": s.engine_rule,
+                "same_rule": s.profile is None,
+                "value": value,
+                "share": region_share(b, value, t),
+                "metrics": {k: m.get(k) for k in KEPT_METRICS},
+            }
+        )
+    return {
+        "trainer_profile": base.name,
+        "engine_profile": engine.name,
+        "backend": backend,
+        "reference": reference,
+        "metric": SHARE_METRIC,
+        "base": b,
+        "target": t,
+        "regions": regions,
+    }

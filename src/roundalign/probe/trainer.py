@@ -1,0 +1,147 @@
+"""The trainer side of the probe: teacher-forced log-probs of sampled tokens, as an RL trainer recomputes them.
+
+An RL trainer (verl, TRL, OpenRLHF) takes each rollout, prompt + completion, runs its HF model over it in one
+forward and reads the log-prob of every completion token from a full-vocabulary log-softmax of the bf16 logits.
+``TrainerSide`` does exactly that, once per trainer profile: ``roundalign.apply(model, profile)`` sets where the
+model rounds, and ``revert`` restores stock HF afterwards, so one bf16 model serves every profile.
+
+Every sequence is its own forward, unpadded, as a trainer that removes padding (verl's ``use_remove_padding``,
+packed sequences) sees it: padding would change matmul and attention shapes, which is a kernel effect the probe
+measures separately (the engine's decode reference), not a rounding-location one.
+
+The fp32 reference forward (an fp32 copy of the same bf16 weights, exact) gives the ground truth against which
+the error correlation rho is computed, and the per-token entropy that shows how peaked the model is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import roundalign
+from roundalign.profiles import Profile, get_profile
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled sequence: prompt ids, completion ids, and the engine's log-prob of each completion token."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.tensor(self.prompt_token_ids + self.token_ids, dtype=torch.long)
+
+
+def load_trainer_model(path: str | Path):
+    """The trainer's bf16 HF model from a model directory, with clear errors for what users get wrong."""
+    import transformers
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass --model PATH to an HF model dir")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; an HF model directory needs config.json and weights")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as exc:  # a corrupt config.json: the HF message is long; keep the cause
+        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    supported = roundalign.supported_model_types()
+    if config.model_type not in supported:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; roundalign supports {', '.join(supported)}"
+        )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    except Exception as exc:  # missing or corrupt weights
+        raise ValueError(f"cannot load the weights in {str(path)!r}: {exc}") from exc
+    return model.eval().requires_grad_(False)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: str | Path):
+    """The model directory's tokenizer, or None when it has no tokenizer files (token-id prompts still work)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {exc}; fix or remove its files") from exc
+
+
+class TrainerSide:
+    """Teacher-forced log-probs and hidden states of one bf16 HF model under any trainer profile."""
+
+    def __init__(self, model):
+        if roundalign.patched_profile(model) is not None:
+            raise ValueError("the probe patches the trainer model itself; pass an unpatched model (roundalign.revert)")
+        self.model = model.eval().requires_grad_(False)
+        self._fp32 = None
+
+    @contextlib.contextmanager
+    def _patched(self, profile: str | Profile):
+        roundalign.apply(self.model, get_profile(profile))
+        try:
+            yield self.model
+        finally:
+            roundalign.revert(self.model)
+
+    @staticmethod
+    def _token_logprobs(model, rollout: Rollout, with_entropy: bool = False):
+        ids = rollout.ids
+        start = len(rollout.prompt_token_ids) - 1  # the logits row that predicts the first completion token
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, start:-1]
+        logp = logits.float().log_softmax(-1)  # what a trainer computes: fp32 log-softmax of the bf16 logits
+        picked = logp.gather(-1, ids[start + 1 :, None])[:, 0]
+        if not with_entropy:
+            return picked
+        return picked, -(logp.exp() * logp).sum(-1)
+
+    def logprobs(self, profile: str | Profile, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Each rollout's completion-token log-probs (fp32, 1-D) with the model patched to ``profile``."""
+        with self._patched(profile) as model:
+            return [self._token_logprobs(model, r) for r in rollouts]
+
+    def fp32_logprobs(self, rollouts: list[Rollout]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Log-probs and entropies (nats) from the fp32 reference forward: the same weights, no bf16 rounding."""
+        if self._fp32 is None:
+            self._fp32 = copy.deepcopy(self.model).float()  # bf16 -> fp32 is exact: the same weights
+        out = [self._token_logprobs(self._fp32, r, with_entropy=True) for r in rollouts]
+        return [lp for lp, _ in out], [h for _, h in out]
+
+    def hidden_states(self, profile: str | Profile, token_ids: list[int]) -> list[torch.Tensor]:
+        """The residual stream after every decoder layer (bf16, tokens x hidden), before the final norm.
+
+        Read with forward hooks on the decoder layers rather than ``output_hidden_states``, whose last entry is
+        after the final norm. A patched layer under an fp32-sum rule returns ``(R, S)``; ``R = r(S)`` is recorded,
+        the bf16 tensor stock HF records.
+        """
+        seen: list[torch.Tensor] = []
+
+        def hook(_module, _args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            seen.append(out[0].detach().clone())
+
+        with self._patched(profile) as model:
+            handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+            try:
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([token_ids], dtype=torch.long))
+            finally:
+                for h in handles:
+                    h.remove()
+        return seen

@@ -1,0 +1,115 @@
+"""``roundalign probe`` on the command line: bad input exits 2 with a message naming the problem; a small run writes
+its report, rollouts and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from roundalign.cli import main
+from vllm_native import tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tiny_qwen3(seed=5, num_hidden_layers=2, vocab_size=128, hidden_size=128, intermediate_size=256).save_pretrained(
+        path
+    )
+    return path
+
+
+def _fails(capsys, argv, *words):
+    assert main(["probe", *argv]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_missing_model_directory(capsys, tmp_path):
+    _fails(capsys, ["--model", str(tmp_path / "nope"), "--out", str(tmp_path)], "does not exist")
+
+
+def test_directory_without_config(capsys, tmp_path):
+    _fails(capsys, ["--model", str(tmp_path), "--out", str(tmp_path / "o")], "no config.json")
+
+
+def test_corrupt_weights(capsys, tmp_path, model_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((model_dir / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    _fails(capsys, ["--model", str(bad), "--out", str(tmp_path / "o")], "cannot load the weights")
+
+
+def test_corrupt_config(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    _fails(capsys, ["--model", str(tmp_path), "--out", str(tmp_path / "o")], "config.json")
+
+
+def test_unsupported_family(capsys, tmp_path):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    _fails(capsys, ["--model", str(tmp_path), "--out", str(tmp_path / "o")], "'gpt2' is not supported", "qwen3")
+
+
+def test_empty_prompt_file(capsys, tmp_path, model_dir):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n\n")
+    _fails(capsys, ["--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path)], "empty")
+
+
+def test_blank_line_in_prompt_file(capsys, tmp_path, model_dir):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("[1, 2, 3]\n\n[4, 5]\n")
+    _fails(capsys, ["--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path)], ":2:", "blank")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-tokens", "0"], ["--max-tokens", "positive"]),
+        (["--temperature", "-0.5"], ["--temperature"]),
+        (["--top-p", "0"], ["--top-p", "(0, 1]"]),
+        (["--top-p", "1.5"], ["--top-p", "(0, 1]"]),
+        (["--engine-profile", "vlm"], ["unknown profile 'vlm'", "vllm"]),
+        (["--trainer-profiles", "hf,nope"], ["unknown profile 'nope'"]),
+        (["--backends", "tensorrt"], ["unknown backend", "kernels"]),
+        (["--num-samples", "0"], ["--num-samples"]),
+    ],
+)
+def test_bad_options(capsys, tmp_path, model_dir, argv, words):
+    _fails(capsys, ["--model", str(model_dir), "--out", str(tmp_path), *argv], *words)
+
+
+def test_bad_jsonl_line_is_an_error_with_its_line_number(capsys, tmp_path, model_dir):
+    dump = tmp_path / "dump.jsonl"
+    good = {"prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -1.0]}
+    bad = {"prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5]}
+    dump.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    _fails(capsys, ["--model", str(model_dir), "--engine-logprobs", str(dump), "--out", str(tmp_path)], ":2:")
+
+
+def test_small_run_writes_report_rollouts_and_plots(capsys, tmp_path, model_dir):
+    from roundalign.probe.report import load_report
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("[1, 2, 3, 4]\n[5, 6]\n[7, 8, 9]\n")
+    out = tmp_path / "out"
+    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--num-samples", "3", "--max-tokens", "6",
+            "--backends", "kernels", "--out", str(out)]
+    assert main(["probe", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "k3" in text and "hf" in text and "vllm" in text
+    report = load_report(out / "report.json")  # validates against the schema
+    assert report["tokens"]["sequences"] == 3
+    assert {c["trainer_profile"] for c in report["comparisons"]} == {"hf", "vllm"}
+    for name in ("log_ratio_hist.png", "layer_agreement.png", "attribution.png"):
+        assert (out / name).stat().st_size > 5000
+    lines = (out / "rollouts.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[1])["prompt_token_ids"] == [5, 6]
+    assert all(torch.tensor(json.loads(x)["logprobs"]).le(0).all() for x in lines)
