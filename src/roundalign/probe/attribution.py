@@ -7,6 +7,11 @@ mismatch with every region switched (the engine profile itself), ``value`` the m
 switched. Rounding errors interact (a region's rounding can hide or amplify another's), so shares are a map, not
 a partition: they need not add up to 1, and the report keeps the raw values next to them.
 
+The other direction answers "what does this region cost on its own": start from the engine profile and put back
+only this region's trainer rule. ``alone`` is the mismatch that region causes when every other region already
+agrees, and ``alone_share = alone / base``. One differing rounding point anywhere makes every later value differ
+a little, so a region often closes little of the gap when switched alone yet causes much of it when alone.
+
 Per layer: the probe compares the residual stream after each decoder layer, trainer vs engine, in prefill
 (``roundalign.probe.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
 """
@@ -27,12 +32,14 @@ KEPT_METRICS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "sampling/s
 
 @dataclass(frozen=True)
 class RegionSwitch:
-    """One region of ``base`` switched to the engine's rule; ``profile`` is None when the rules already agree."""
+    """One region of ``base`` switched to the engine's rule (``profile``), and the engine profile with only this
+    region left at the trainer's rule (``alone``); both None when the two rules already agree."""
 
     region: str
     trainer_rule: str
     engine_rule: str
     profile: Profile | None
+    alone: Profile | None
 
 
 def _region_in_model(region: str, config) -> bool:
@@ -62,8 +69,10 @@ def region_switches(base: str | Profile, engine: str | Profile, config) -> list[
             t, e = base.rope_for(head_dim), engine.rope_for(head_dim)
         else:
             t, e = getattr(base, region), getattr(engine, region)
-        profile = None if t == e else base.replace(**{region: e})
-        out.append(RegionSwitch(region, str(t), str(e), profile))
+        same = t == e
+        profile = None if same else base.replace(**{region: e})
+        alone = None if same else engine.replace(**{region: getattr(base, region)})
+        out.append(RegionSwitch(region, str(t), str(e), profile, alone))
     return out
 
 
@@ -81,6 +90,7 @@ def attribution_entry(
     target_metrics: dict,
     switches: list[RegionSwitch],
     switch_metrics: dict[str, dict],
+    alone_metrics: dict[str, dict],
 ) -> dict:
     """The report's attribution entry for one (trainer profile, backend, reference)."""
     b, t = base_metrics[SHARE_METRIC], target_metrics[SHARE_METRIC]
@@ -88,6 +98,7 @@ def attribution_entry(
     for s in switches:
         m = base_metrics if s.profile is None else switch_metrics[s.region]
         value = m[SHARE_METRIC]
+        alone = target_metrics if s.alone is None else alone_metrics[s.region]
         regions.append(
             {
                 "region": s.region,
@@ -97,6 +108,9 @@ def attribution_entry(
                 "value": value,
                 "share": region_share(b, value, t),
                 "metrics": {k: m.get(k) for k in KEPT_METRICS},
+                "alone": alone[SHARE_METRIC],
+                "alone_share": None if b == 0 else alone[SHARE_METRIC] / b,
+                "alone_metrics": {k: alone.get(k) for k in KEPT_METRICS},
             }
         )
     return {

@@ -203,6 +203,7 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
         tick(f"region attribution ({p} -> {engine_profile.name})")
         target_lp = train.get(engine_profile.name) or trainer.logprobs(engine_profile, rollouts)
         switch_lp = {s.region: trainer.logprobs(s.profile, rollouts) for s in switches if s.profile is not None}
+        alone_lp = {s.region: trainer.logprobs(s.alone, rollouts) for s in switches if s.alone is not None}
         for (b, ref), ref_lp in refs.items():
             attribution.append(
                 attr.attribution_entry(
@@ -211,6 +212,7 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
                     target_metrics=_metrics(target_lp, ref_lp, fp32),
                     switches=switches,
                     switch_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in switch_lp.items()},
+                    alone_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in alone_lp.items()},
                 )
             )
 

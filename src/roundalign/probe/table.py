@@ -166,42 +166,45 @@ def _decode_shapes_table(report: dict):
     return table
 
 
-def _share_bar(share: float | None, width: int = 20) -> str:
-    if share is None:
-        return ""
-    n = round(min(max(share, 0.0), 1.0) * width)
-    return "█" * n + "·" * (width - n)
-
-
-def _attribution_table(entry: dict):
+def _attribution_tables(report: dict) -> list:
+    """One table per (trainer profile, engine profile): a row per region, a share column per backend/reference."""
     from rich import box
     from rich.table import Table
 
-    table = Table(
-        title=(
-            f"Attribution of {entry['metric']}: trainer {entry['trainer_profile']} → engine "
-            f"{entry['engine_profile']} ({entry['backend']}, {entry['reference']})"
-        ),
-        caption=(
-            f"base {fmt_num(entry['base'])} (trainer profile) → target {fmt_num(entry['target'])} (whole engine "
-            "profile). value: the metric with only that region switched to the engine's rule; "
-            "share = (base − value) / (base − target)."
-        ),
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
-    table.add_column("region")
-    table.add_column("trainer rule", overflow="fold", max_width=34)
-    table.add_column("engine rule", overflow="fold", max_width=34)
-    table.add_column("value", justify="right", no_wrap=True)
-    table.add_column("share", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    for r in entry["regions"]:
-        share = NA if r["share"] is None else f"{100 * r['share']:.0f}%"
-        table.add_row(
-            r["region"], r["trainer_rule"], r["engine_rule"], fmt_num(r["value"]), share, _share_bar(r["share"])
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for entry in report["attribution"]:
+        groups.setdefault((entry["trainer_profile"], entry["engine_profile"]), []).append(entry)
+    tables = []
+    for (trainer, engine), entries in groups.items():
+        metric = entries[0]["metric"]
+        ranges = "; ".join(
+            f"{e['backend']} {e['reference']}: {fmt_num(e['base'])} → {fmt_num(e['target'])}" for e in entries
         )
-    return table
+        table = Table(
+            title=f"Which region: {metric}, trainer {trainer} → engine {engine}",
+            caption=(
+                f"base → target ({ranges}). switch: share of the gap closed by switching only that region to the "
+                "engine's rule, (base − value) / (base − target). alone: mismatch left when only that region keeps "
+                "the trainer's rule, as a share of base. Regions interact, so neither column adds up to 100%."
+            ),
+            caption_justify="left",
+            box=box.SIMPLE_HEAD,
+        )
+        table.add_column("region")
+        table.add_column("trainer rule", overflow="fold", max_width=24)
+        table.add_column("engine rule", overflow="fold", max_width=24)
+        for e in entries:
+            for kind in ("switch", "alone"):
+                table.add_column(f"{e['backend']}\n{e['reference']}\n{kind}", justify="right", no_wrap=True)
+        for i, r in enumerate(entries[0]["regions"]):
+            cells = []
+            for e in entries:
+                row = e["regions"][i]
+                for x in (row["share"], row.get("alone_share")):
+                    cells.append(NA if x is None else f"{100 * x:.0f}%")
+            table.add_row(r["region"], r["trainer_rule"], r["engine_rule"], *cells)
+        tables.append(table)
+    return tables
 
 
 def _layers_table(report: dict):
@@ -246,7 +249,7 @@ def render(report: dict) -> list:
     out = [_summary(report), _main_table(report)]
     if report["decode_shapes"]:
         out.append(_decode_shapes_table(report))
-    out += [_attribution_table(entry) for entry in report["attribution"]]
+    out += _attribution_tables(report)
     if report["layers"]:
         out.append(_layers_table(report))
     if report["notes"]:
