@@ -163,12 +163,13 @@ def plot_layer_agreement(report: dict, path: str | Path) -> Path:
 
 
 def plot_attribution(report: dict, path: str | Path) -> Path:
-    """Horizontal bars: the share of the trainer-to-engine gap each region closes, one panel per attribution."""
+    """Per region, two bars: the share of the trainer-to-engine gap that switching it alone closes, and the share of
+    the mismatch it causes alone (every other region already at the engine's rule). One panel per attribution."""
     entries = report["attribution"]
     if not entries:
         raise ValueError("the report has no attribution to plot (see its notes for why)")
     plt = _pyplot()
-    heights = [1.2 + 0.45 * max(1, len(e["regions"])) for e in entries]
+    heights = [1.4 + 0.6 * max(1, len(e["regions"])) for e in entries]
     # A shared x axis keeps panels comparable: 100% means the same thing in each.
     fig, axes = plt.subplots(
         len(entries),
@@ -179,31 +180,32 @@ def plot_attribution(report: dict, path: str | Path) -> Path:
         gridspec_kw={"height_ratios": heights},
         layout="constrained",
     )
-    all_shares = [100 * r["share"] for e in entries for r in e["regions"] if r["share"] is not None]
+    kinds = (("share", "switching it alone closes", "C0"), ("alone_share", "it causes alone", "C1"))
+    values = [100 * r[k] for e in entries for r in e["regions"] for k, _, _ in kinds if r.get(k) is not None]
     for ax, e in zip(axes[:, 0], entries, strict=True):
         regions = e["regions"]
-        names = [r["region"] for r in regions]
-        shares = [100 * r["share"] if r["share"] is not None else 0.0 for r in regions]
         ys = list(range(len(regions)))
-        ax.barh(ys, shares, color=["C0" if s >= 0 else "C3" for s in shares], height=0.6)
-        for y, r, s in zip(ys, regions, shares, strict=True):
-            text = "n/a (base = target)" if r["share"] is None else f"{s:.0f}%"
-            value = "n/a" if r["value"] is None else f"{r['value']:.3g}"
-            ax.annotate(f" {text}  (metric {value})", (max(s, 0.0), y), va="center", fontsize=8)
-        ax.set_yticks(ys, names)
+        for j, (key, label, color) in enumerate(kinds):
+            pos = [y + (j - 0.5) * 0.36 for y in ys]
+            shares = [100 * r[key] if r.get(key) is not None else 0.0 for r in regions]
+            ax.barh(pos, shares, color=color, height=0.34, label=f"share of the gap {label}")
+            for y, r, x in zip(pos, regions, shares, strict=True):
+                text = "n/a" if r.get(key) is None else f"{x:.0f}%"
+                ax.annotate(f" {text}", (max(x, 0.0), y), va="center", fontsize=7)
+        ax.set_yticks(ys, [r["region"] for r in regions])
         ax.invert_yaxis()
         ax.axvline(0, color="0.3", linewidth=0.8)
         ax.axvline(100, color="0.3", linewidth=0.8, linestyle="--")
-        at_top = ax.get_xaxis_transform()  # x in data, y in axes fraction
-        ax.text(101, 0.97, "whole engine\nprofile", transform=at_top, va="top", fontsize=7, color="0.3")
-        ax.set_xlim(min(-5.0, min(all_shares, default=0) - 5), max(130.0, max(all_shares, default=0) + 30))
+        ax.set_xlim(min(-5.0, min(values, default=0) - 5), max(115.0, max(values, default=0) + 15))
         base = "n/a" if e["base"] is None else f"{e['base']:.3g}"
         target = "n/a" if e["target"] is None else f"{e['target']:.3g}"
         ax.set_title(
             f"{e['trainer_profile']} → {e['engine_profile']} ({e['backend']}, {e['reference']}): "
-            f"{e['metric']} {base} → {target}",
+            f"{e['metric']} {base} (trainer) → {target} (engine profile)",
             fontsize=10,
         )
         ax.grid(True, axis="x", alpha=0.3)
-    axes[-1, 0].set_xlabel("share of the trainer-to-engine gap closed by switching that region alone (%)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=2, fontsize=8)
+    axes[-1, 0].set_xlabel("share of the trainer-vs-engine mismatch (%)")
     return _save(fig, path)
