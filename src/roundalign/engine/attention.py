@@ -52,12 +52,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
 
 
 class KVCache:
-    """Per layer, per sequence slot: ``capacity`` rows of keys and values, zero until written."""
+    """Per layer and sequence slot, keys and values as ``(kv_heads, capacity, head_dim)``, zero until written.
+
+    The values are bf16 (RoPE's output, v_proj's output) held in fp32, exactly: the decode attention reads them as
+    fp32 matmul operands in place, with no per-step copy or cast (at twice bf16's memory; a CPU reference's caches
+    are small).
+    """
 
     def __init__(self, num_layers: int, num_slots: int, capacity: int, spec: AttentionSpec):
-        width = spec.num_kv_heads * spec.head_dim
-        self.k = torch.zeros(num_layers, num_slots, capacity, width, dtype=torch.bfloat16)
-        self.v = torch.zeros_like(self.k)
+        shape = (num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape)
+        self.v = torch.zeros(shape)
+
+    def write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's keys and values (``(rows, kv_heads * head_dim)``) at their sequences' positions."""
+        kvh = self.k.shape[2]
+        if step.is_prefill:
+            for seq, start, offset, n in step.groups():
+                self.k[layer, seq, :, offset : offset + n] = k[start : start + n].view(n, kvh, -1).transpose(0, 1)
+                self.v[layer, seq, :, offset : offset + n] = v[start : start + n].view(n, kvh, -1).transpose(0, 1)
+        else:
+            b = len(step.seqs)
+            self.k[layer, step._slots, :, step._positions] = k[:b].view(b, kvh, -1).float()
+            self.v[layer, step._slots, :, step._positions] = v[:b].view(b, kvh, -1).float()
+
+    def rows(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` positions of a slot as bf16 ``(length, kv_heads * head_dim)`` (exact)."""
+        k, v = self.k[layer, seq, :, :length], self.v[layer, seq, :, :length]
+        return tuple(t.transpose(0, 1).reshape(length, -1).to(torch.bfloat16) for t in (k, v))
 
 
 class PrefillShapes:
@@ -135,26 +157,23 @@ class Step:
         return torch.tensor(self.seqs)
 
     @cached_property
+    def _positions(self) -> torch.Tensor:
+        return torch.tensor(self.offsets)
+
+    @cached_property
     def _contiguous(self) -> bool:
         return self.seqs == list(range(len(self.seqs)))  # a view of the cache, no gather
 
     @cached_property
     def _mask(self) -> torch.Tensor:
-        lengths = torch.tensor(self.offsets) + 1
-        return (torch.arange(int(lengths.max()))[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, L): key valid
+        """(B, 1, 1, L): 0 where a key is valid, -inf where it is padding (added to the attention scores)."""
+        lengths = self._positions + 1
+        valid = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+        return torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[:, None, None]
 
-
-def _write_cache(layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
-    cache = step.cache
-    if step.is_prefill:
-        for seq, start, offset, n in step.groups():
-            cache.k[layer, seq, offset : offset + n] = k[start : start + n]
-            cache.v[layer, seq, offset : offset + n] = v[start : start + n]
-    else:
-        b = len(step.seqs)
-        pos = torch.tensor(step.offsets)
-        cache.k[layer, step._slots, pos] = k[:b]
-        cache.v[layer, step._slots, pos] = v[:b]
+    @cached_property
+    def _ones(self) -> torch.Tensor:
+        return torch.ones(self._mask.shape[-1], 1)
 
 
 def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
@@ -166,16 +185,14 @@ def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
     spec, cache, mask = step.spec, step.cache, step._mask
     b, length, d, kvh = len(step.seqs), mask.shape[-1], spec.head_dim, spec.num_kv_heads
     if step._contiguous:
-        kc, vc = cache.k[layer, :b, :length], cache.v[layer, :b, :length]
+        k32, v32 = cache.k[layer, :b, :, :length], cache.v[layer, :b, :, :length]  # (B, kv_heads, L, D) views
     else:
-        kc, vc = cache.k[layer][step._slots, :length], cache.v[layer][step._slots, :length]
-    k32 = kc.view(b, length, kvh, d).permute(0, 2, 3, 1).float()  # (B, kv_heads, D, L)
-    v32 = vc.view(b, length, kvh, d).transpose(1, 2).float()  # (B, kv_heads, L, D)
+        k32, v32 = cache.k[layer][step._slots, :, :length], cache.v[layer][step._slots, :, :length]
     # GQA: query heads j * group ... (j + 1) * group - 1 read kv head j, as HF's repeat_kv pairs them.
     q32 = q[:b].view(b, kvh, spec.num_heads // kvh, d).float()  # (B, kv_heads, group, D)
-    scores = (q32 @ k32 * spec.scale).masked_fill(~mask, float("-inf"))  # (B, kv_heads, group, L)
+    scores = q32 @ k32.transpose(-1, -2) * spec.scale + mask  # (B, kv_heads, group, L)
     e = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # exactly 0 at masked keys
-    out = (e @ v32) / (e @ torch.ones(length, 1))  # softmax(scores) @ v, both sums as matmuls
+    out = (e @ v32) / (e @ step._ones)  # softmax(scores) @ v, both sums as matmuls
     return out.reshape(b, spec.num_heads * d).to(torch.bfloat16)
 
 
@@ -184,14 +201,13 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
 
     Rows past ``step.num_rows`` (padding added by a compiled backend) get zeros and touch no cache slot.
     """
-    _write_cache(layer, step, k, v)
+    step.cache.write(layer, step, k, v)
     out = q.new_zeros(q.shape[0], step.spec.num_heads * step.spec.head_dim)
     if step.shapes is not None and "attention" in step.shapes.parts:
         for seq, start, offset, n in step.groups():
             qbuf = step.shapes.rows(seq, ("q", layer), q[start : start + n], offset)
-            length = qbuf.shape[0]  # the sequence's full length; cache rows past the current token are zeros
-            full = causal_attention(qbuf, step.cache.k[layer, seq, :length], step.cache.v[layer, seq, :length],
-                                    step.spec)
+            # The sequence's full length; cache rows past the current token are zeros.
+            full = causal_attention(qbuf, *step.cache.rows(layer, seq, qbuf.shape[0]), step.spec)
             out[start : start + n] = full[offset : offset + n]
     elif step.is_prefill:
         for _, start, _, n in step.groups():

@@ -99,8 +99,8 @@ class _Attention(nn.Module):
         self.q_proj, self.k_proj = _Linear(q, h, qkv_bias), _Linear(kv, h, qkv_bias)
         self.v_proj = _Linear(kv, h, qkv_bias)
         self.o_proj = _Linear(h, q, o_bias)
-        self.q_norm = _Weight(d) if qk_norm else None
-        self.k_norm = _Weight(d) if qk_norm else None
+        self.add_module("q_norm", _Weight(d) if qk_norm else None)  # a submodule slot either way
+        self.add_module("k_norm", _Weight(d) if qk_norm else None)
 
 
 class _MLP(nn.Module):
