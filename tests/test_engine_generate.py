@@ -1,11 +1,11 @@
-"""Batched generation with the kernels backend: ragged prompts, stopping, seeds, and the decode/prefill references.
+"""Batched generation: ragged prompts, stopping, seeds, and the decode/prefill references.
 
-Invariants:
-- a ragged batch gives each sequence the tokens it gets alone (greedy), so positions, the per-slot KV cache and its
-  mask are right; decode log-probs stay close to the one-sequence prefill's (close, not equal: that gap is what the
-  probe measures);
-- ``score(mode="decode")`` replays ``generate`` bitwise; with ``prefill_shaped=("attention", "matmul")`` it is the
-  prefill bitwise, and each part alone moves it toward the prefill only where that part's shapes matter;
+Invariants (the first three for both backends, the rest on the kernels backend):
+- a ragged batch gives each sequence the tokens and log-probs it gets alone (greedy), so positions, the per-slot
+  KV cache and its mask are right, and the decode attention is batch-invariant; decode log-probs stay close to the
+  one-sequence prefill's (close, not equal: that gap is what the probe measures);
+- ``score(mode="decode")`` replays ``generate`` bitwise;
+- with ``prefill_shaped=("attention", "matmul")`` the replay is the prefill bitwise;
 - stop tokens are kept with their log-prob; EOS, max_tokens and the context limit set ``finish_reason``;
 - seeded runs reproduce.
 """
@@ -32,36 +32,42 @@ def engine(model):
     return Engine(model, profile="vllm")
 
 
-@pytest.fixture(scope="module")
-def greedy_batch(engine):
+@pytest.fixture(scope="module", params=["kernels", pytest.param("inductor", marks=pytest.mark.slow)])
+def any_backend(model, request):
+    return Engine(model, profile="vllm", backend=request.param)
+
+
+def _greedy_batch(engine):
     prompts = sequences(engine.vocab_size, lengths=LENGTHS)
     return prompts, engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
 
 
-def test_ragged_batch_greedy_equals_each_prompt_alone(engine, greedy_batch):
-    prompts, outs = greedy_batch
+@pytest.fixture(scope="module")
+def greedy_batch(engine):
+    return _greedy_batch(engine)
+
+
+def test_ragged_batch_greedy_equals_each_prompt_alone(any_backend):
+    prompts, outs = _greedy_batch(any_backend)
     for p, out in zip(prompts, outs, strict=True):
-        (alone,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=12))
+        (alone,) = any_backend.generate([p], SamplingParams(temperature=0, max_tokens=12))
         assert out.prompt_token_ids == p
         assert out.token_ids == alone.token_ids
+        assert out.logprobs == alone.logprobs  # bitwise: batch-invariant decode attention, row-wise GEMMs
         assert len(out.token_ids) == len(out.logprobs) == 12 and out.finish_reason == "length"
     assert len({tuple(o.token_ids) for o in outs}) == len(outs)  # not one degenerate output for every prompt
 
-
-def test_decode_logprobs_close_to_prefill(engine, greedy_batch):
-    """Batched decode vs each sequence alone in one forward: the same model and tokens, other attention shapes.
-    A position or mask error would move log-probs by O(1) nats; bf16 noise moves them by a few logit ulps
-    (0.016 at |logit| ~ 4)."""
-    prompts, outs = greedy_batch
-    completions = [o.token_ids for o in outs]
-    prefill = engine.score(prompts, completions, mode="prefill")
+    # Batched decode vs each sequence alone in one forward: the same model and tokens, other attention shapes.
+    # A position or mask error would move log-probs by O(1) nats; bf16 noise by a few logit ulps (0.016 at 4).
+    prefill = any_backend.score(prompts, [o.token_ids for o in outs], mode="prefill")
     for out, ref in zip(outs, prefill, strict=True):
         diff = (torch.tensor(out.logprobs) - ref).abs().max().item()
-        print(f"max |decode - prefill| = {diff:.4f}")
+        print(f"{any_backend.backend}: max |decode - prefill| = {diff:.4f}")
         assert diff < 0.1
 
 
-def test_score_decode_replays_generate_bitwise(engine):
+def test_score_decode_replays_generate_bitwise(any_backend):
+    engine = any_backend
     prompts = sequences(engine.vocab_size, lengths=LENGTHS, seed=5)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, stop_token_ids=[7, 11, 13])
     outs = engine.generate(prompts, params)

@@ -96,7 +96,9 @@ class Engine:
         _compile.mark_tokens_dynamic(input_ids, positions)
         before = dict(_compile.COMPILE_STATS)
         t0 = time.perf_counter()
-        with forward_context(step):
+        # Every model shape (and the hidden-state capture) is one more entry on NativeModel.forward's code object;
+        # past dynamo's default limit of 8 a fullgraph compile fails, so a process may hold more engines than that.
+        with forward_context(step), torch._dynamo.config.patch(recompile_limit=64):
             out = self._compiled(input_ids, positions, capture)
         if _compile.COMPILE_STATS["graphs"] != before["graphs"]:  # this call compiled: count its wall time
             self.compile_stats["graphs"] += _compile.COMPILE_STATS["graphs"] - before["graphs"]
