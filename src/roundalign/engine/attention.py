@@ -23,6 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ class Step:
 
     @classmethod
     def prefill(cls, lengths: list[int], cache: KVCache, spec: AttentionSpec, shapes=None) -> Step:
-        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        starts = [0, *accumulate(lengths)][:-1]
         return cls(list(range(len(lengths))), starts, list(lengths), [0] * len(lengths), True, cache, spec, shapes)
 
     @classmethod
