@@ -196,17 +196,17 @@ class Engine:
         out: list[list[float]] = [[] for _ in prompts]
 
         def choose(active, logits):
-            lps = logits.log_softmax(dim=-1)
+            tokens = [completions[seq][len(out[seq])] for seq in active]
+            lps = token_logprobs(logits, logits, torch.tensor(tokens), "raw")  # as generate computes them
             picks = []
-            for row, seq in enumerate(active):
-                k = len(out[seq])
-                out[seq].append(lps[row, completions[seq][k]])
-                picks.append((completions[seq][k], k + 1 == len(completions[seq])))
+            for seq, tok, lp in zip(active, tokens, lps.tolist(), strict=True):
+                out[seq].append(lp)
+                picks.append((tok, len(out[seq]) == len(completions[seq])))
             return picks
 
         shapes = PrefillShapes(shaped, [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)])
         self._rollout(prompts, [len(c) for c in completions], choose, shapes if shaped else None)
-        return [torch.stack(lps) for lps in out]
+        return [torch.tensor(lps, dtype=torch.float32) for lps in out]  # fp32 -> float -> fp32 is exact
 
     def _prefill_logprobs(self, ids: list[int], capture: bool = False):
         cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec)
