@@ -20,6 +20,7 @@ from tests.helpers import assert_bitwise_equal
 from tests.test_engine_matches_trainer import sequences, trainer_model
 
 LENGTHS = (3, 17, 9, 30)
+TOKENS = 8  # greedy completion length
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def any_backend(model, request):
 
 def _greedy_batch(engine):
     prompts = sequences(engine.vocab_size, lengths=LENGTHS)
-    return prompts, engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    return prompts, engine.generate(prompts, SamplingParams(temperature=0, max_tokens=TOKENS))
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,11 @@ def greedy_batch(engine):
 def test_ragged_batch_greedy_equals_each_prompt_alone(any_backend):
     prompts, outs = _greedy_batch(any_backend)
     for p, out in zip(prompts, outs, strict=True):
-        (alone,) = any_backend.generate([p], SamplingParams(temperature=0, max_tokens=12))
+        (alone,) = any_backend.generate([p], SamplingParams(temperature=0, max_tokens=TOKENS))
         assert out.prompt_token_ids == p
         assert out.token_ids == alone.token_ids
         assert out.logprobs == alone.logprobs  # bitwise: batch-invariant decode attention, row-wise GEMMs
-        assert len(out.token_ids) == len(out.logprobs) == 12 and out.finish_reason == "length"
+        assert len(out.token_ids) == len(out.logprobs) == TOKENS and out.finish_reason == "length"
     assert len({tuple(o.token_ids) for o in outs}) == len(outs)  # not one degenerate output for every prompt
 
     # Batched decode vs each sequence alone in one forward: the same model and tokens, other attention shapes.
@@ -69,7 +70,7 @@ def test_ragged_batch_greedy_equals_each_prompt_alone(any_backend):
 def test_score_decode_replays_generate_bitwise(any_backend):
     engine = any_backend
     prompts = sequences(engine.vocab_size, lengths=LENGTHS, seed=5)
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, stop_token_ids=[7, 11, 13])
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=3, stop_token_ids=[7, 11, 13])
     outs = engine.generate(prompts, params)
     assert {len(o.token_ids) for o in outs} != {1}  # sequences leave the batch at different steps
     lps = engine.score(prompts, [o.token_ids for o in outs], mode="decode")
@@ -96,7 +97,7 @@ def test_stop_token_is_kept_with_its_logprob(engine, greedy_batch):
     free = outs[1].token_ids
     stop = free[4]
     first = free.index(stop)
-    (out,) = engine.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
+    (out,) = engine.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=TOKENS, stop_token_ids=[stop]))
     assert out.finish_reason == "stop"
     assert out.token_ids == free[: first + 1]
     assert out.logprobs == outs[1].logprobs[: first + 1]
@@ -112,10 +113,10 @@ def test_eos_from_config_stops_unless_ignored(model, greedy_batch):
     finally:
         model.config.eos_token_id = saved
     assert eos in engine.eos_token_ids
-    (out,) = engine.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=12))
+    (out,) = engine.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=TOKENS))
     assert out.finish_reason == "stop" and out.token_ids[-1] == eos
     assert len(out.token_ids) == outs[2].token_ids.index(eos) + 1
-    (full,) = engine.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    (full,) = engine.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
     assert full.token_ids == outs[2].token_ids and full.finish_reason == "length"
 
 
@@ -134,14 +135,14 @@ def test_context_limit_finishes_with_length_and_long_prompts_are_refused():
 
 def test_seeded_sampling_reproduces(engine):
     prompts = sequences(engine.vocab_size, lengths=(4, 12), seed=9)
-    params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1234)
     a, b = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.logprobs for o in a] == [o.logprobs for o in b]
-    c = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=1235))
+    c = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1235))
     assert [o.token_ids for o in c] != [o.token_ids for o in a]
     # seed=None: a fresh seed per call
-    d, e = (engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16)) for _ in range(2))
+    d, e = (engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6)) for _ in range(2))
     assert [o.token_ids for o in d] != [o.token_ids for o in e]
 
 
@@ -149,12 +150,12 @@ def test_processed_logprobs_renormalize_over_the_kept_tokens(engine):
     """Same seed, same samples; with top_k the processed log-prob is the raw one renormalized over the top k,
     so it is never lower, and at temperature 1 without truncation the two modes agree exactly."""
     prompts = sequences(engine.vocab_size, lengths=(6, 11), seed=4)
-    raw = engine.generate(prompts, SamplingParams(top_k=5, max_tokens=8, seed=0))
-    proc = engine.generate(prompts, SamplingParams(top_k=5, max_tokens=8, seed=0, logprobs_mode="processed"))
+    raw = engine.generate(prompts, SamplingParams(top_k=5, max_tokens=5, seed=0))
+    proc = engine.generate(prompts, SamplingParams(top_k=5, max_tokens=5, seed=0, logprobs_mode="processed"))
     for r, p in zip(raw, proc, strict=True):
         assert r.token_ids == p.token_ids
         assert all(pl >= rl for pl, rl in zip(p.logprobs, r.logprobs, strict=True))
         assert any(pl > rl for pl, rl in zip(p.logprobs, r.logprobs, strict=True))
-    plain = engine.generate(prompts, SamplingParams(max_tokens=8, seed=0, logprobs_mode="processed"))
-    ref = engine.generate(prompts, SamplingParams(max_tokens=8, seed=0))
+    plain = engine.generate(prompts, SamplingParams(max_tokens=5, seed=0, logprobs_mode="processed"))
+    ref = engine.generate(prompts, SamplingParams(max_tokens=5, seed=0))
     assert [o.logprobs for o in plain] == [o.logprobs for o in ref]
