@@ -105,6 +105,8 @@ def test_unknown_profile_and_backend(model):
         Engine(model, backend="cuda")
     with pytest.raises(TypeError, match="HF \\*ForCausalLM or a model directory"):
         Engine(42)
+    with pytest.raises(TypeError, match="got Qwen3Model; pass the causal-LM model"):
+        Engine(model.model)
 
 
 # --------------------------------------------------------------------------------------------------------------

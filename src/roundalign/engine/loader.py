@@ -200,8 +200,9 @@ def load(model_or_path, tokenizer=None):
     """(config, ServedWeights, tokenizer or None, eos token ids) from an HF ``*ForCausalLM`` or a model directory."""
     if isinstance(model_or_path, nn.Module):
         config = getattr(model_or_path, "config", None)
-        if config is None:
-            raise TypeError(f"expected an HF *ForCausalLM (with .config), got {type(model_or_path).__name__}")
+        if config is None or not hasattr(model_or_path, "lm_head"):
+            raise TypeError(f"Engine needs an HF *ForCausalLM (a config and an lm_head), got "
+                            f"{type(model_or_path).__name__}; pass the causal-LM model, not its base model")
         check_config(config)
         weights = ServedWeights(config)
         # A copy: later changes to the HF model (a training step) do not reach the engine until load_weights.
