@@ -18,6 +18,8 @@ rule, and ``measure_qwen3`` compares the compiled model's logits with it, with `
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,13 @@ from roundalign.engine.native import NativeModel, cos_sin_cache
 RECORD_ATTENTION: list | None = None  # set to a list to record every (q, k, v) the attention op receives
 
 
+def _this_module():
+    """tests/ is on sys.path too (conftest), so this file may also be imported as plain ``vllm_native``: a second
+    module object, whose op registration replaces the first one's. Both copies read and set RECORD_ATTENTION on
+    ``tests.vllm_native``, so that recording works whichever copy registered the op last."""
+    return sys.modules.get("tests.vllm_native") or sys.modules[__name__]
+
+
 @torch.library.custom_op("vllm_native::attention", mutates_args=())
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
@@ -41,8 +50,9 @@ def attention(
 
     Stateless (no KV cache, one sequence per call), unlike the engine's ``roundalign::unified_attention``, and it
     can record what it receives; the computation is the engine's ``causal_attention``."""
-    if RECORD_ATTENTION is not None:
-        RECORD_ATTENTION.append((q.clone(), k.clone(), v.clone()))
+    record = _this_module().RECORD_ATTENTION
+    if record is not None:
+        record.append((q.clone(), k.clone(), v.clone()))
     if scale != head_dim**-0.5:
         raise ValueError(f"scale {scale} is not head_dim**-0.5")
     return causal_attention(q, k, v, AttentionSpec(num_heads, num_kv_heads, head_dim))
@@ -313,7 +323,6 @@ def measure_qwen3(
 
     import roundalign
 
-    global RECORD_ATTENTION
     engine = VllmQwen3(hf_model, merged=merged)
     n_layers = hf_model.config.num_hidden_layers
     out: dict = {"seconds": {}, "first_attention_qk": {}, "code": {}}
@@ -323,7 +332,7 @@ def measure_qwen3(
     for mode in modes:
         t0 = time.time()
         run = compile_model(engine, mode, dynamic=dynamic)
-        RECORD_ATTENTION = seen = []
+        _this_module().RECORD_ATTENTION = seen = []
         try:
             hidden = []
             for i, ids in enumerate(prompt_ids):
@@ -338,7 +347,7 @@ def measure_qwen3(
                 if i == 0:
                     out["seconds"][mode] = time.time() - t0
         finally:
-            RECORD_ATTENTION = None
+            _this_module().RECORD_ATTENTION = None
         logits[mode] = [engine.logits(h) for h in hidden]
         firsts = seen[::n_layers]
         out["first_attention_qk"][mode] = {}
