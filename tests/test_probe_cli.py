@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from roundalign.cli import main
-from vllm_native import tiny_qwen3
+from tests.vllm_native import tiny_qwen3
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
 from roundalign.probe.run import ProbeConfig, run_probe
 from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
-from vllm_native import tiny_qwen3
+from tests.vllm_native import tiny_qwen3
 
 
 @pytest.fixture(scope="module")
