@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="sampling seed (default 0)")
     a("--engine-logprobs", metavar="FILE", help="JSONL dumped by a real engine: one {prompt_token_ids, token_ids, "
       "logprobs} object per line (docs/real-engines.md); replaces sampling")
+    a("--layer-sequences", type=int, default=4, metavar="N",
+      help="sequences the per-layer and decode-shape experiments run on (default 4; 0 skips them)")
     a("--out", metavar="DIR", default="probe-out", help="where report.json and the plots go (default probe-out)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -94,6 +96,7 @@ def config_from_args(args: argparse.Namespace):
         top_p=args.top_p,
         seed=args.seed,
         engine_logprobs=args.engine_logprobs,
+        layer_sequences=args.layer_sequences,
     ).resolved()
 
 

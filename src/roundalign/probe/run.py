@@ -52,7 +52,7 @@ class ProbeConfig:
     top_p: float = 1.0
     seed: int = 0
     engine_logprobs: str | None = None  # a JSONL dump from a real engine, instead of sampling
-    layer_sequences: int = 4  # how many sequences the per-layer comparison runs over
+    layer_sequences: int = 4  # how many sequences the per-layer and decode-shape experiments run over
     notes: list[str] = field(default_factory=list)
 
     def resolved(self) -> ProbeConfig:
@@ -110,10 +110,125 @@ def _metrics(train, ref, fp32):
     return mismatch_metrics(train, ref, fp32)
 
 
+def _import(cfg: ProbeConfig, config, tick, notes):
+    """Rollouts and the one reference (``jsonl``) from a real engine's dump."""
+    from roundalign.probe.jsonl import read_engine_logprobs
+
+    tick("reading the engine's log-probs")
+    dump = read_engine_logprobs(
+        cfg.engine_logprobs, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings
+    )
+    rollouts = [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in dump]
+    notes.append("per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
+                 "available for imported log-probs")
+    return rollouts, {("jsonl", "jsonl"): [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]}
+
+
+def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, notes):
+    """Engines per backend; the first samples the rollouts; every backend gives a decode and a prefill reference."""
+    from roundalign.engine import Engine, SamplingParams
+
+    tokenizer = load_tokenizer(model_path)
+    engines = {}
+    for b in cfg.backends:
+        tick(f"building the {b} engine")
+        engines[b] = Engine(hf_model, profile=engine_profile, backend=b, tokenizer=tokenizer)
+    prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
+    if not prompts:
+        raise ValueError("no prompts: the prompt list is empty")
+    if len(prompts) > cfg.num_samples:
+        notes.append(f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
+                     f"{cfg.num_samples} prompts only")
+    ids = _tokenize(prompts, tokenizer)
+    batch = [ids[i % len(ids)] for i in range(cfg.num_samples)]
+    params = SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode="raw"
+    )
+    first = cfg.backends[0]
+    tick(f"sampling {cfg.num_samples} completions ({first} backend)")
+    outs = engines[first].generate(batch, params)
+    rollouts = [Rollout(list(o.prompt_token_ids), list(o.token_ids), list(o.logprobs)) for o in outs]
+    prompt_ids, completions = [r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts]
+    refs = {}
+    for b, eng in engines.items():
+        tick(f"engine references ({b}: decode, prefill)")
+        if b == first:  # generate's own log-probs (raw mode) are the decode reference
+            refs[(b, "decode")] = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
+        else:  # the same tokens replayed through this backend's decode steps
+            refs[(b, "decode")] = eng.score(prompt_ids, completions, mode="decode")
+        refs[(b, "prefill")] = eng.score(prompt_ids, completions, mode="prefill")
+    return rollouts, refs, engines
+
+
+def _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profile, tick, notes) -> list[dict]:
+    missing = attr.missing_regions(config)
+    if missing:
+        notes.append(f"regions this {config.model_type} model does not have, left out of the attribution: "
+                     f"{', '.join(missing)}")
+    out = []
+    for p in cfg.trainer_profiles:
+        base = get_profile(p)
+        if base == engine_profile:
+            continue
+        switches = attr.region_switches(base, engine_profile, config)
+        tick(f"region attribution ({p} -> {engine_profile.name})")
+        target_lp = train.get(engine_profile.name) or trainer.logprobs(engine_profile, rollouts)
+        switch_lp = {s.region: trainer.logprobs(s.profile, rollouts) for s in switches if s.profile is not None}
+        alone_lp = {s.region: trainer.logprobs(s.alone, rollouts) for s in switches if s.alone is not None}
+        for (b, ref), ref_lp in refs.items():
+            out.append(
+                attr.attribution_entry(
+                    base=base, engine=engine_profile, backend=b, reference=ref,
+                    base_metrics=_metrics(train[p], ref_lp, fp32),
+                    target_metrics=_metrics(target_lp, ref_lp, fp32),
+                    switches=switches,
+                    switch_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in switch_lp.items()},
+                    alone_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in alone_lp.items()},
+                )
+            )  # fmt: skip
+    return out
+
+
+def _layers(cfg, trainer, engines, rollouts, tick) -> list[dict]:
+    """Residual stream after every layer, trainer vs engine, in prefill, pooled over the first sequences."""
+    seqs = [r.prompt_token_ids + r.token_ids for r in rollouts[: cfg.layer_sequences]]
+
+    def pooled(per_sequence):  # [sequence][layer] (tokens, hidden) -> [layer] (all tokens, hidden)
+        return [torch.cat(layer) for layer in zip(*per_sequence, strict=True)]
+
+    trainer_h = {p: pooled([trainer.hidden_states(p, s) for s in seqs]) for p in cfg.trainer_profiles}
+    out = []
+    for b, eng in engines.items():
+        tick(f"per-layer hidden states ({b})")
+        engine_h = pooled([eng.hidden_states(s) for s in seqs])
+        for p in cfg.trainer_profiles:
+            out.append({"trainer_profile": p, "backend": b, "layers": layer_agreement(trainer_h[p], engine_h)})
+    return out
+
+
+def _decode_shapes(cfg, trainer, engine, rollouts, train, fp32, engine_profile, tick) -> dict:
+    """The aligned trainer against decode log-probs whose attention and/or matmuls are computed prefill-shaped.
+
+    The matmul variant recomputes every linear over the whole sequence at each step (a prefill per token), so this
+    runs on the per-layer subset. A sequence's decode log-probs do not depend on the rest of its batch (the
+    engine's decode is batch-invariant), so the subset's plain-decode row is the decode reference's own.
+    """
+    tick("decode shapes (attention vs matmul)")
+    subset = rollouts[: cfg.layer_sequences]
+    aligned = (train.get(engine_profile.name) or trainer.logprobs(engine_profile, rollouts))[: len(subset)]
+    prompt_ids, completions = [r.prompt_token_ids for r in subset], [r.token_ids for r in subset]
+    variants = []
+    for shaped in DECODE_SHAPE_VARIANTS:
+        lp = engine.score(prompt_ids, completions, mode="decode", prefill_shaped=shaped)
+        variants.append({"prefill_shaped": list(shaped), "metrics": _metrics(aligned, lp, fp32[: len(subset)])})
+    return {"backend": "kernels", "trainer_profile": engine_profile.name, "sequences": len(subset),
+            "variants": variants}  # fmt: skip
+
+
 def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tuple[dict, dict]:
-    """Run the audit. Returns ``(report, arrays)``: the report dict (``roundalign.probe.report``) and the
-    per-token log-ratios per comparison label, for the histogram plot. ``step(description)`` is called before
-    each stage, for a progress bar (``plan(cfg)`` says how many stages there are)."""
+    """Run the audit. Returns ``(report, arrays)``: the report dict (``roundalign.probe.report``), and the
+    per-token log-ratios per comparison label (for the histogram) and the rollouts. ``step(description)`` is called
+    before each stage, for a progress bar (``plan(cfg)`` says how many stages there are)."""
     cfg = cfg.resolved()
     tick = step or (lambda _desc: None)
     notes = list(cfg.notes)
@@ -125,123 +240,33 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
     trainer = TrainerSide(hf_model)
     engine_profile = get_profile(cfg.engine_profile)
     imported = cfg.engine_logprobs is not None
-
-    # -- rollouts and engine references
-    refs: dict[tuple[str, str], list[torch.Tensor]] = {}
-    engines = {}
     if imported:
-        from roundalign.probe.jsonl import read_engine_logprobs
-
-        tick("reading the engine's log-probs")
-        dump = read_engine_logprobs(
-            cfg.engine_logprobs, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings
-        )
-        rollouts = [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in dump]
-        refs[("jsonl", "jsonl")] = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
-        backends: tuple[str, ...] = ()
-        notes.append("per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
-                     "available for imported log-probs")
+        (rollouts, refs), engines = _import(cfg, config, tick, notes), {}
     else:
-        from roundalign.engine import Engine, SamplingParams
+        rollouts, refs, engines = _sample(cfg, hf_model, model_path, engine_profile, tick, notes)
 
-        backends = cfg.backends
-        tokenizer = load_tokenizer(model_path)
-        for b in backends:
-            tick(f"building the {b} engine")
-            engines[b] = Engine(hf_model, profile=engine_profile, backend=b, tokenizer=tokenizer)
-        prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
-        if not prompts:
-            raise ValueError("no prompts: the prompt list is empty")
-        if len(prompts) > cfg.num_samples:
-            notes.append(f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
-                         f"{cfg.num_samples} prompts only")
-        ids = _tokenize(prompts, tokenizer)
-        batch = [ids[i % len(ids)] for i in range(cfg.num_samples)]
-        params = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed,
-            logprobs_mode="raw",
-        )
-        tick(f"sampling {cfg.num_samples} completions ({backends[0]} backend)")
-        outs = engines[backends[0]].generate(batch, params)
-        rollouts = [Rollout(list(o.prompt_token_ids), list(o.token_ids), list(o.logprobs)) for o in outs]
-        prompts_ids = [r.prompt_token_ids for r in rollouts]
-        completions = [r.token_ids for r in rollouts]
-        for b in backends:
-            tick(f"engine references ({b}: decode, prefill)")
-            if b == backends[0]:
-                refs[(b, "decode")] = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
-            else:
-                refs[(b, "decode")] = engines[b].score(prompts_ids, completions, mode="decode")
-            refs[(b, "prefill")] = engines[b].score(prompts_ids, completions, mode="prefill")
-
-    # -- trainer side
     tick("trainer log-probs (fp32 reference)")
     fp32, entropy = trainer.fp32_logprobs(rollouts)
     train: dict[str, list[torch.Tensor]] = {}
     for p in cfg.trainer_profiles:
         tick(f"trainer log-probs ({p})")
         train[p] = trainer.logprobs(p, rollouts)
-
     comparisons, arrays = [], {}
     for p in cfg.trainer_profiles:
         for (b, ref), ref_lp in refs.items():
-            m = _metrics(train[p], ref_lp, fp32)
-            comparisons.append({"trainer_profile": p, "backend": b, "reference": ref, "metrics": m})
+            comparisons.append(
+                {"trainer_profile": p, "backend": b, "reference": ref, "metrics": _metrics(train[p], ref_lp, fp32)}
+            )
             arrays[f"{p} vs {b}/{ref}"] = log_ratios(train[p], ref_lp)
 
-    # -- per-region attribution
-    attribution = []
-    missing = attr.missing_regions(config)
-    if missing:
-        notes.append(f"regions this {config.model_type} model does not have, left out of the attribution: "
-                     f"{', '.join(missing)}")
-    for p in cfg.trainer_profiles:
-        base = get_profile(p)
-        if base == engine_profile:
-            continue
-        switches = attr.region_switches(base, engine_profile, config)
-        tick(f"region attribution ({p} -> {engine_profile.name})")
-        target_lp = train.get(engine_profile.name) or trainer.logprobs(engine_profile, rollouts)
-        switch_lp = {s.region: trainer.logprobs(s.profile, rollouts) for s in switches if s.profile is not None}
-        alone_lp = {s.region: trainer.logprobs(s.alone, rollouts) for s in switches if s.alone is not None}
-        for (b, ref), ref_lp in refs.items():
-            attribution.append(
-                attr.attribution_entry(
-                    base=base, engine=engine_profile, backend=b, reference=ref,
-                    base_metrics=_metrics(train[p], ref_lp, fp32),
-                    target_metrics=_metrics(target_lp, ref_lp, fp32),
-                    switches=switches,
-                    switch_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in switch_lp.items()},
-                    alone_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in alone_lp.items()},
-                )
-            )
-
-    # -- per-layer agreement and decode shapes (engine internals: not for imports)
+    attribution = _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profile, tick, notes)
     layers, decode_shapes = [], None
     if engines and cfg.layer_sequences:
-        seqs = [r.prompt_token_ids + r.token_ids for r in rollouts[: cfg.layer_sequences]]
-        for b, eng in engines.items():
-            tick(f"per-layer hidden states ({b})")
-            eng_h = [eng.hidden_states(s) for s in seqs]
-            for p in cfg.trainer_profiles:
-                tr_h = [trainer.hidden_states(p, s) for s in seqs]
-                n_layers = len(tr_h[0])
-                cat = [torch.cat([h[i] for h in tr_h]) for i in range(n_layers)]
-                eng_cat = [torch.cat([h[i] for h in eng_h]) for i in range(n_layers)]
-                layers.append({"trainer_profile": p, "backend": b, "layers": layer_agreement(cat, eng_cat)})
-    if "kernels" in engines:
-        tick("decode shapes (attention vs matmul)")
-        aligned = train.get(engine_profile.name) or trainer.logprobs(engine_profile, rollouts)
-        prompts_ids = [r.prompt_token_ids for r in rollouts]
-        completions = [r.token_ids for r in rollouts]
-        variants = []
-        for shaped in DECODE_SHAPE_VARIANTS:
-            lp = engines["kernels"].score(prompts_ids, completions, mode="decode", prefill_shaped=shaped)
-            variants.append({"prefill_shaped": list(shaped), "metrics": _metrics(aligned, lp, fp32)})
-        decode_shapes = {"backend": "kernels", "trainer_profile": engine_profile.name, "variants": variants}
+        layers = _layers(cfg, trainer, engines, rollouts, tick)
+        if "kernels" in engines:
+            decode_shapes = _decode_shapes(cfg, trainer, engines["kernels"], rollouts, train, fp32, engine_profile,
+                                           tick)  # fmt: skip
 
-    n_prompt = sum(len(r.prompt_token_ids) for r in rollouts)
-    n_completion = sum(len(r.token_ids) for r in rollouts)
     all_entropy = torch.cat(entropy)
     report = build_report(
         model={
@@ -254,17 +279,17 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
         engine={
             "source": "jsonl" if imported else "roundalign.engine",
             "profile": engine_profile.to_dict(),
-            "backends": list(backends),
+            "backends": list(engines),
             "sampling": None if imported else {
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed,
-                "num_samples": cfg.num_samples, "sampled_by": backends[0], "logprobs_mode": "raw",
+                "num_samples": cfg.num_samples, "sampled_by": cfg.backends[0], "logprobs_mode": "raw",
             },
-            "jsonl": None if cfg.engine_logprobs is None else str(cfg.engine_logprobs),
+            "jsonl": str(cfg.engine_logprobs) if imported else None,
         },
         tokens={
             "sequences": len(rollouts),
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_completion,
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in rollouts),
+            "completion_tokens": sum(len(r.token_ids) for r in rollouts),
             "mean_entropy_nats": float(all_entropy.mean()) if all_entropy.numel() else None,
             "log_vocab": math.log(config.vocab_size),
         },
@@ -273,7 +298,7 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
         layers=layers,
         decode_shapes=decode_shapes,
         notes=notes,
-    )
+    )  # fmt: skip
     return report, {"log_ratios": arrays, "rollouts": rollouts}
 
 
@@ -286,5 +311,5 @@ def plan(cfg: ProbeConfig) -> int:
         return 1 + 1 + 1 + len(cfg.trainer_profiles) + n_attr
     b = len(cfg.backends)
     layers = b if cfg.layer_sequences else 0
-    decode = 1 if "kernels" in cfg.backends else 0
+    decode = 1 if "kernels" in cfg.backends and cfg.layer_sequences else 0
     return 1 + b + 1 + b + 1 + len(cfg.trainer_profiles) + n_attr + layers + decode
