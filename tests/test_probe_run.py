@@ -108,3 +108,18 @@ def test_trainer_hidden_states_are_the_pre_norm_residual(model_dir):
     (lp,) = side.logprobs("hf", [r])
     ref = out.logits[0].float().log_softmax(-1)[2:-1].gather(-1, torch.tensor(ids[3:])[:, None])[:, 0]
     assert torch.equal(lp, ref)
+
+
+def test_shipped_model_acceptance():
+    """The acceptance fact on the shipped tiny-qwen3 with its default prompts: kernels backend, trainer profile ==
+    engine profile, prefill reference: every log-prob bitwise equal, k3_kl exactly 0. Stock HF is not."""
+    cfg = ProbeConfig(engine_profile="vllm", trainer_profiles=("hf", "vllm"), backends=("kernels",), num_samples=8,
+                      max_tokens=32, layer_sequences=0)
+    report, _ = run_probe(cfg)
+    assert report["tokens"]["completion_tokens"] > 50
+    aligned = _cmp(report, "vllm", "kernels", "prefill")
+    assert aligned["mismatch/bitwise_equal_frac"] == 1.0 and aligned["rollout_corr/k3_kl"] == 0.0
+    stock = _cmp(report, "hf", "kernels", "prefill")
+    assert stock["mismatch/bitwise_equal_frac"] < 1.0 and stock["rollout_corr/k3_kl"] > 0.0
+    # a peaked model, as a real LM: mean entropy of the sampled positions far below log(vocab)
+    assert report["tokens"]["mean_entropy_nats"] < 0.25 * report["tokens"]["log_vocab"]
