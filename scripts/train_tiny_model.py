@@ -55,7 +55,8 @@ UNK_TEXT = "<|unk|>"
 PIECES = r" ?[A-Za-z]+| ?[0-9]| ?[^A-Za-z0-9\s]|\s"
 PUNCTUATION = ".,:?'+-*/="
 LEVEL_SHARES = {1: 0.4, 2: 0.35, 3: 0.25}  # share of each level in a batch: easy ones most, hard ones least
-ROW_WIDTH = 128  # tokens per training row; the longest problem with its solution is about 80
+ROW_WIDTH = 128  # tokens per training row; the longest problem with its solution is about 100
+HELD_OUT = 200  # held-out problems a level: never trained on; evaluation uses the first --eval-problems of them
 
 
 # -----------------------------------------------------------------------------
@@ -103,9 +104,17 @@ def build_config(vocab_size: int, eos_id: int) -> transformers.Qwen3Config:
 # problem a row, and every row's first problem starts at position 0, as a prompt does at inference.
 
 
-def held_out(n_per_level: int, seed: int) -> dict[int, list[arithmetic.Problem]]:
-    """Evaluation problems; their seed stream is disjoint from training's (training seeds are non-negative)."""
+def held_out(seed: int, n_per_level: int = HELD_OUT) -> dict[int, list[arithmetic.Problem]]:
+    """Evaluation problems, the first ``n_per_level`` of each level's fixed held-out set.
+
+    Training always leaves out the whole set (``HELD_OUT`` a level), whatever --eval-problems says: the weights must
+    not depend on how much is evaluated. Their seed stream is disjoint from training's (training seeds are >= 0).
+    """
     return {level: make_problems(n_per_level, level, seed=-1 - seed) for level in LEVELS}
+
+
+def held_out_prompts(seed: int) -> set[str]:
+    return {p.prompt for problems in held_out(seed).values() for p in problems}
 
 
 def _tokens(tok, problem) -> list[int]:
@@ -287,7 +296,8 @@ choices (names, numbers). The completion tokens are the ones that the probe and 
 """
 
 
-def _train_and_save(tok, args, out: Path, exclude: set[str]) -> dict:
+def _train_and_save(tok, args, out: Path) -> dict:
+    exclude = held_out_prompts(args.seed)
     model, stats = train(tok, args.steps, args.seed, args.batch_size, args.lr, args.minutes, exclude)
     stats["params"] = sum(p.numel() for p in model.parameters())
     save(model, tok, out)
@@ -298,7 +308,7 @@ def check_reproducible(tok, args) -> int:
     digests = []
     for run in range(2):
         with tempfile.TemporaryDirectory() as tmp:
-            _train_and_save(tok, args, Path(tmp), exclude=set())
+            _train_and_save(tok, args, Path(tmp))
             digests.append(hashlib.sha256((Path(tmp) / "model.safetensors").read_bytes()).hexdigest())
             print(f"run {run + 1}: model.safetensors sha256 {digests[-1]}")
     same = digests[0] == digests[1]
@@ -314,11 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64, help="problems per step, packed into rows")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems per level (0: no eval)")
+    evaluated = f"held-out problems per level to evaluate, 0 to {HELD_OUT} (0: none)"
+    parser.add_argument("--eval-problems", type=int, default=HELD_OUT, help=evaluated)
     parser.add_argument("--check-reproducible", action="store_true", help="train twice (no eval), compare weights")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 3:
         parser.error("--steps must be >= 1 and --batch-size >= 3 (one problem of each level at least)")
+    if not 0 <= args.eval_problems <= HELD_OUT:
+        parser.error(f"--eval-problems must be between 0 and {HELD_OUT}, the size of the held-out set")
 
     torch.set_num_threads(2)  # the thread count changes CPU matmul summation order, so it is part of the recipe
     torch.use_deterministic_algorithms(True)
@@ -327,14 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_reproducible:
         return check_reproducible(tok, args)
 
-    evaluation = held_out(args.eval_problems, args.seed)
+    evaluation = held_out(args.seed, args.eval_problems)
     sample = [format_prompt(p) + p.solution for level in LEVELS for p in make_problems(2000, level, seed=12345)]
     unknown = sum(tok(text).input_ids.count(tok.unk_token_id) for text in sample)
     if unknown or tok.decode(tok(sample[0]).input_ids) != sample[0]:
         raise RuntimeError(f"tokenizer does not cover the task ({unknown} unknown pieces) or does not round-trip")
 
     start = time.time()
-    stats = _train_and_save(tok, args, args.out, exclude={p.prompt for ps in evaluation.values() for p in ps})
+    stats = _train_and_save(tok, args, args.out)
     figures = dict(stats, threads=torch.get_num_threads())
     if args.eval_problems:
         figures |= evaluate(args.out, evaluation)
