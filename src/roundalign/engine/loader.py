@@ -213,23 +213,27 @@ def load(model_or_path, tokenizer=None):
         raise TypeError(f"Engine needs an HF *ForCausalLM or a model directory path, got "
                         f"{type(model_or_path).__name__}")
     path = Path(model_or_path)
+    config = read_config(path)
+    check_config(config)
+    weights = ServedWeights(config)
+    weights.load(_read_safetensors(path))
+    if tokenizer is None:
+        tokenizer = read_tokenizer(path)
+    return config, weights, tokenizer, _eos_ids(config, _read_generation_config(path))
+
+
+def read_config(path: Path):
+    """The HF config of model directory ``path``, with errors that say what is missing or broken.
+
+    Shared with the probe's trainer side (``roundalign.probe.trainer``), which loads the same directories.
+    """
+    import transformers
+
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a directory written by "
                                 "save_pretrained (config.json + *.safetensors)")
     if not (path / "config.json").is_file():
         raise ValueError(f"{str(path)!r} has no config.json; pass a directory written by save_pretrained")
-    config = _read_config(path)
-    check_config(config)
-    weights = ServedWeights(config)
-    weights.load(_read_safetensors(path))
-    if tokenizer is None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = _read_tokenizer(path)
-    return config, weights, tokenizer, _eos_ids(config, _read_generation_config(path))
-
-
-def _read_config(path: Path):
-    import transformers
-
     try:
         json.loads((path / "config.json").read_text())
         return transformers.AutoConfig.from_pretrained(path)
@@ -255,9 +259,15 @@ def _read_safetensors(path: Path) -> dict:
     return state
 
 
-def _read_tokenizer(path: Path):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def read_tokenizer(path: Path):
+    """The directory's tokenizer, or None when it has no tokenizer files (token-id prompts still work)."""
     import transformers
 
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (ValueError, OSError, KeyError, TypeError) as e:

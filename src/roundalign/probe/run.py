@@ -30,7 +30,7 @@ import torch
 from roundalign.probe import attribution as attr
 from roundalign.probe.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import build_report
-from roundalign.probe.trainer import Rollout, TrainerSide, load_tokenizer, load_trainer_model
+from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
 from roundalign.profiles import get_profile
 
 BACKENDS = ("kernels", "inductor")
@@ -106,10 +106,6 @@ def _shipped_model() -> Path:
     return models.path("tiny-qwen3")
 
 
-def _metrics(train, ref, fp32):
-    return mismatch_metrics(train, ref, fp32)
-
-
 def _import(cfg: ProbeConfig, config, tick, notes):
     """Rollouts and the one reference (``jsonl``) from a real engine's dump."""
     from roundalign.probe.jsonl import read_engine_logprobs
@@ -127,8 +123,9 @@ def _import(cfg: ProbeConfig, config, tick, notes):
 def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, notes):
     """Engines per backend; the first samples the rollouts; every backend gives a decode and a prefill reference."""
     from roundalign.engine import Engine, SamplingParams
+    from roundalign.engine.loader import read_tokenizer
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = read_tokenizer(model_path)
     engines = {}
     for b in cfg.backends:
         tick(f"building the {b} engine")
@@ -179,11 +176,11 @@ def _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profi
             out.append(
                 attr.attribution_entry(
                     base=base, engine=engine_profile, backend=b, reference=ref,
-                    base_metrics=_metrics(train[p], ref_lp, fp32),
-                    target_metrics=_metrics(target_lp, ref_lp, fp32),
+                    base_metrics=mismatch_metrics(train[p], ref_lp, fp32),
+                    target_metrics=mismatch_metrics(target_lp, ref_lp, fp32),
                     switches=switches,
-                    switch_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in switch_lp.items()},
-                    alone_metrics={r: _metrics(lp, ref_lp, fp32) for r, lp in alone_lp.items()},
+                    switch_metrics={r: mismatch_metrics(lp, ref_lp, fp32) for r, lp in switch_lp.items()},
+                    alone_metrics={r: mismatch_metrics(lp, ref_lp, fp32) for r, lp in alone_lp.items()},
                 )
             )  # fmt: skip
     return out
@@ -220,7 +217,8 @@ def _decode_shapes(cfg, trainer, engine, rollouts, train, fp32, engine_profile, 
     variants = []
     for shaped in DECODE_SHAPE_VARIANTS:
         lp = engine.score(prompt_ids, completions, mode="decode", prefill_shaped=shaped)
-        variants.append({"prefill_shaped": list(shaped), "metrics": _metrics(aligned, lp, fp32[: len(subset)])})
+        metrics = mismatch_metrics(aligned, lp, fp32[: len(subset)])
+        variants.append({"prefill_shaped": list(shaped), "metrics": metrics})
     return {"backend": "kernels", "trainer_profile": engine_profile.name, "sequences": len(subset),
             "variants": variants}  # fmt: skip
 
@@ -254,9 +252,8 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
     comparisons, arrays = [], {}
     for p in cfg.trainer_profiles:
         for (b, ref), ref_lp in refs.items():
-            comparisons.append(
-                {"trainer_profile": p, "backend": b, "reference": ref, "metrics": _metrics(train[p], ref_lp, fp32)}
-            )
+            metrics = mismatch_metrics(train[p], ref_lp, fp32)
+            comparisons.append({"trainer_profile": p, "backend": b, "reference": ref, "metrics": metrics})
             arrays[f"{p} vs {b}/{ref}"] = log_ratios(train[p], ref_lp)
 
     attribution = _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profile, tick, notes)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import roundalign
+from roundalign.engine.loader import read_config
 from roundalign.profiles import Profile, get_profile
 
 
@@ -40,18 +41,15 @@ class Rollout:
 
 
 def load_trainer_model(path: str | Path):
-    """The trainer's bf16 HF model from a model directory, with clear errors for what users get wrong."""
+    """The trainer's bf16 HF model from a model directory, with clear errors for what users get wrong.
+
+    The directory and config checks are the engine loader's (``read_config``); the family check is the trainer's
+    own, since ``roundalign.apply`` supports more families (Qwen3-MoE) than the reference engine.
+    """
     import transformers
 
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass --model PATH to an HF model dir")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} has no config.json; an HF model directory needs config.json and weights")
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as exc:  # a corrupt config.json: the HF message is long; keep the cause
-        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    config = read_config(path)
     supported = roundalign.supported_model_types()
     if config.model_type not in supported:
         raise ValueError(
@@ -64,22 +62,6 @@ def load_trainer_model(path: str | Path):
     except Exception as exc:  # missing or corrupt weights
         raise ValueError(f"cannot load the weights in {str(path)!r}: {exc}") from exc
     return model.eval().requires_grad_(False)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def load_tokenizer(path: str | Path):
-    """The model directory's tokenizer, or None when it has no tokenizer files (token-id prompts still work)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:
-        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {exc}; fix or remove its files") from exc
 
 
 class TrainerSide:
