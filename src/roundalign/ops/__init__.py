@@ -1,7 +1,8 @@
 """Element-wise ops whose rounding points follow a rule: RMSNorm, residual add + RMSNorm, RoPE and SwiGLU.
 
-Every op is a formula with explicit casts (``r(t) = t.to(bf16)``), run as a ``torch.library`` custom op so that
-torch.compile cannot move its rounding points, with a backward that saves only the bf16 inputs. See
+Every op is a formula with explicit casts (``r(t) = t.to(bf16)``, or ``t.to(float16)`` in an fp16 model), run as a
+``torch.library`` custom op so that torch.compile cannot move its rounding points, with a backward that saves only
+the 16-bit inputs. See
 ``roundalign/ops/_custom.py`` for how the gradient is defined.
 """
 

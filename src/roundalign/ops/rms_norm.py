@@ -1,7 +1,8 @@
 """RMSNorm with the rounding point of a rule, and the residual add that feeds it.
 
-Notation (shared/reference/engine-rounding.md): ``r(t)`` rounds to bf16, ``nu(x) = rsqrt(mean(x^2) + eps)`` in
-fp32, ``a`` the sublayer output, ``h`` the incoming residual, ``S = a + h`` in fp32, ``R = r(S)``.
+Notation (shared/reference/engine-rounding.md): ``r(t)`` rounds to the model's 16-bit dtype (bf16, or fp16 for an
+fp16 model), ``nu(x) = rsqrt(mean(x^2) + eps)`` in fp32, ``a`` the sublayer output, ``h`` the incoming residual,
+``S = a + h`` in fp32, ``R = r(S)``.
 
 Rounding points, per rule:
 
@@ -16,7 +17,7 @@ Residual add:
 - ``round_at_attention``, ``never_round`` (compiled engines): the add is the same as ``normalize_fp32_sum``'s;
   they differ only in which of ``R`` and ``S`` the decoder layer carries on (``roundalign.patch._common``).
 
-``x`` may be bf16 or the fp32 sum ``S``; the variance is always taken in fp32, as every implementation does.
+``x`` may be bf16/fp16 or the fp32 sum ``S``; the variance is always taken in fp32, as every implementation does.
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm of ``x`` over its last dim under ``rule``.
 
-    ``out_dtype`` is the dtype ``r(.)`` rounds to; by default the weight's dtype (the model dtype). The
-    ``fused_into_rope`` rule returns fp32 for the RoPE op to round.
+    ``out_dtype`` is the dtype ``r(.)`` rounds to; by default the weight's dtype (the model dtype), or ``x``'s
+    when the weight is fp32 (``default_out_dtype``). The ``fused_into_rope`` rule returns fp32 for the RoPE op to
+    round.
     """
     rule = str(rule)
     if rule not in {r.value for r in QKNormRule}:  # RMSNormRule's rules plus fused_into_rope
         raise ValueError(f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
                          "or fused_into_rope (q/k norm only)")
-    return _rms_norm_op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight))
+    return _rms_norm_op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight, x))
 
 
 def residual_add(
@@ -82,15 +84,16 @@ def residual_add(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``h + a`` under ``rule``: returns ``(R, x_for_norm)``.
 
-    ``R`` is the bf16 residual; ``x_for_norm`` is what the next norm reads: ``R`` itself under
+    ``R`` is the 16-bit residual; ``x_for_norm`` is what the next norm reads: ``R`` itself under
     ``normalize_rounded_sum``, the fp32 sum ``S`` under every other rule. ``h`` may be an fp32 residual that a
-    compiled engine carried without rounding (``round_at_attention``, ``never_round``).
+    compiled engine carried without rounding (``round_at_attention``, ``never_round``); ``R`` then rounds to the
+    sublayer output ``a``'s dtype, the model's (bf16, or fp16 in an fp16 model).
     """
     rule = ResidualRule.parse(rule, "residual")
     if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
         r = _add_rounded_op(a, h)
         return r, r
-    return _add_fp32_sum_op(a, h, default_out_dtype(h))
+    return _add_fp32_sum_op(a, h, default_out_dtype(h, a))
 
 
 def add_rms_norm(

@@ -5,9 +5,9 @@ For the first half of a head, ``o1 = x1*c - x2*s`` (the second half, ``o2 = x2*c
 - ``per_op`` (HF, vLLM <= 0.17 CUDA, Liger):  ``r(r(x1*c) - r(x2*s))``  -- three roundings.
 - ``once`` (vLLM Inductor and >= 0.23 CUDA, FlashInfer, TE):  ``r(x1*c - x2*s)``  -- one rounding.
 
-``c``/``s`` come in the profile's dtype: ``c16 = r(cos(theta))`` or ``c32 = cos(theta)``; see
-``roundalign.rotary`` for how theta is computed. ``x`` is bf16, or the fp32 output of a q/k norm whose rule is
-``fused_into_rope``.
+``c``/``s`` come in the profile's dtype: ``c16 = r(cos(theta))`` (the model's 16-bit dtype, bf16 or fp16) or
+``c32 = cos(theta)``; see ``roundalign.rotary`` for how theta is computed. ``x`` is bf16/fp16, or the fp32 output of
+a q/k norm whose rule is ``fused_into_rope``.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def rope(
 ) -> torch.Tensor:
     """Rotate ``x`` (..., head_dim) by ``cos``/``sin`` broadcastable to it, rounding per ``rounding``.
 
-    ``out_dtype`` defaults to ``x``'s dtype (bf16 when ``x`` is an fp32 norm output).
+    ``out_dtype`` defaults to ``x``'s dtype; when ``x`` is an fp32 norm output, to the 16-bit dtype of a c16
+    ``cos``/``sin`` (the model's), else bf16 (``default_out_dtype``). Callers that know the model dtype pass it.
     """
     rounding = RopeRounding.parse(rounding, "rope rounding")
     if x.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {x.shape[-1]}")
-    return _rope_op(x, cos, sin, rounding.value, out_dtype or default_out_dtype(x))
+    return _rope_op(x, cos, sin, rounding.value, out_dtype or default_out_dtype(x, cos, sin))

@@ -1,6 +1,7 @@
 """SwiGLU, ``silu(g) * u``, with the rounding point of a rule.
 
-``silu(g) = g * sigmoid(g)`` computed in fp32 (``torch.nn.functional.silu``):
+``silu(g) = g * sigmoid(g)`` computed in fp32 (``torch.nn.functional.silu``); ``r(.)`` rounds to the gate's dtype
+(bf16, or fp16 in an fp16 model):
 
 - ``round_silu`` (HF, vLLM CUDA ``silu_and_mul``, Liger):  ``r(r(silu(g)) * u)``  -- two roundings.
 - ``once`` (vLLM Inductor, FlashInfer, SGLang JIT, TE):    ``r(silu(g) * u)``     -- one rounding.
@@ -17,7 +18,7 @@ from roundalign.profiles import SwiGLURule
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
     if rule == SwiGLURule.ROUND_SILU:
-        return F.silu(gate) * up  # HF's `act_fn(gate) * up`: silu rounds to bf16, then the product does
+        return F.silu(gate) * up  # HF's `act_fn(gate) * up`: silu rounds to gate's dtype, then the product does
     if rule == SwiGLURule.ONCE:
         acc = compute_dtype(gate)
         return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)  # r(silu(g) * u)

@@ -47,11 +47,11 @@ def _check_dtype(model, allow_non_bf16: bool) -> None:
     names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
     raise TypeError(
         f"roundalign.apply needs a bf16 model, got parameters in {names}. The profiles say where a bf16 engine "
-        "rounds; in fp32 nothing would round and in fp16 the rounding differs. Load with "
-        "dtype=torch.bfloat16 or call model.to(torch.bfloat16) first. If the weights are cast to bf16 for compute "
-        "later (FSDP MixedPrecision param_dtype=bf16), pass allow_non_bf16=True: each op rounds to the dtype of "
-        "the weights and activations it receives at run time, so bf16 compute gets the profile's rounding points "
-        "and fp32 compute gets none."
+        "rounds; in fp32 nothing would round. Load with dtype=torch.bfloat16 or call model.to(torch.bfloat16) "
+        "first. If the weights are cast to bf16 for compute later (FSDP MixedPrecision param_dtype=bf16), or the "
+        "engine serves fp16 too (Engine(..., dtype=torch.float16)), pass allow_non_bf16=True: each op rounds to "
+        "the 16-bit dtype of the weights and activations it receives at run time, so bf16 or fp16 compute gets "
+        "the profile's rounding points in that dtype."
     )
 
 
@@ -61,7 +61,8 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
     Args:
         model: an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama model (``*ForCausalLM`` or its base model) in bf16.
         profile: a built-in profile name (``roundalign.list_profiles()``) or a ``Profile``.
-        allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it).
+        allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it). An fp16 model
+            rounds at the profile's rounding points to fp16, as an fp16 engine does.
         **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
 
     Returns the model. ``hf`` (stock HF eager) leaves every module as it is and only records the profile.
