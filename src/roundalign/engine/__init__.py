@@ -1,4 +1,5 @@
-"""roundalign.engine: a reference rollout engine on the CPU, with its own served bf16 weights and its own numerics.
+"""roundalign.engine: a reference rollout engine on the CPU, with its own served bf16 (or fp16) weights and its own
+numerics.
 
     from roundalign.engine import Engine, SamplingParams
     eng = Engine(model_or_path, profile="vllm", backend="kernels")   # or backend="inductor"

@@ -55,15 +55,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
 class KVCache:
     """Per layer and sequence slot, keys and values as ``(kv_heads, capacity, head_dim)``, zero until written.
 
-    The values are bf16 (RoPE's output, v_proj's output) held in fp32, exactly: the decode attention reads them as
-    fp32 matmul operands in place, with no per-step copy or cast (at twice bf16's memory; a CPU reference's caches
-    are small).
+    The values are in the model dtype ``dtype`` (RoPE's output, v_proj's output; bf16 or fp16) held in fp32,
+    exactly: the decode attention reads them as fp32 matmul operands in place, with no per-step copy or cast (at twice
+    the 16-bit memory; a CPU reference's caches are small).
     """
 
-    def __init__(self, num_layers: int, num_slots: int, capacity: int, spec: AttentionSpec):
+    def __init__(self, num_layers: int, num_slots: int, capacity: int, spec: AttentionSpec,
+                 dtype: torch.dtype = torch.bfloat16):
         shape = (num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim)
         self.k = torch.zeros(shape)
         self.v = torch.zeros(shape)
+        self.dtype = dtype
 
     def write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's keys and values (``(rows, kv_heads * head_dim)``) at their sequences' positions."""
@@ -78,9 +80,9 @@ class KVCache:
             self.v[layer, step._slots, :, step._positions] = v[:b].view(b, kvh, -1).float()
 
     def rows(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``length`` positions of a slot as bf16 ``(length, kv_heads * head_dim)`` (exact)."""
+        """The first ``length`` positions of a slot in the model dtype, ``(length, kv_heads * head_dim)`` (exact)."""
         k, v = self.k[layer, seq, :, :length], self.v[layer, seq, :, :length]
-        return tuple(t.transpose(0, 1).reshape(length, -1).to(torch.bfloat16) for t in (k, v))
+        return tuple(t.transpose(0, 1).reshape(length, -1).to(self.dtype) for t in (k, v))
 
 
 class PrefillShapes:
@@ -182,7 +184,7 @@ def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
     result does not depend on the batch: a cache slot is padded to the longest sequence of the step, and every
     reduction over keys is a matmul, which adds the padded keys' exact zeros after the real terms (a row reduction
     such as ``sum`` or SDPA's fused softmax regroups its terms with the padded length; measured on this CPU). fp32
-    throughout, rounded once to bf16 at the output."""
+    throughout, rounded once to the model dtype (``q``'s: bf16 or fp16) at the output."""
     spec, cache, mask = step.spec, step.cache, step._mask
     b, length, d, kvh = len(step.seqs), mask.shape[-1], spec.head_dim, spec.num_kv_heads
     if step._contiguous:
@@ -194,7 +196,7 @@ def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
     scores = q32 @ k32.transpose(-1, -2) * spec.scale + mask  # (B, kv_heads, group, L)
     e = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # exactly 0 at masked keys
     out = (e @ v32) / (e @ step._ones)  # softmax(scores) @ v, both sums as matmuls
-    return out.reshape(b, spec.num_heads * d).to(torch.bfloat16)
+    return out.reshape(b, spec.num_heads * d).to(q.dtype)
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:

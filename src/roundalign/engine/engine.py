@@ -1,10 +1,11 @@
-"""``Engine``: a CPU reference rollout engine with its own served bf16 weights and its own numerics.
+"""``Engine``: a CPU reference rollout engine with its own served 16-bit weights and its own numerics.
 
 ``generate`` runs batched generation the way vLLM schedules it: one prefill of every prompt (flattened, no
 padding), then one decode step per token with a KV cache, each sequence leaving the batch when it stops. ``score``
 recomputes the log-probs of given completions two ways: ``prefill`` (each sequence alone, one forward, the shapes a
 trainer uses) and ``decode`` (a replay of what ``generate`` computed, bitwise). ``hidden_states`` returns the
-residual stream after every decoder layer. ``load_weights`` replaces the served copy in place.
+residual stream after every decoder layer. ``load_weights`` replaces the served copy in place. The served dtype is
+bf16 by default, or fp16 (``dtype=torch.float16``): every rounding point then rounds to fp16.
 
 The engine is a reference for tests, demos and experiments on the CPU. At scale, sample with vLLM or SGLang and
 compare their log-probs with ``roundalign probe --engine-logprobs dump.jsonl`` (docs/engine.md).
@@ -20,7 +21,7 @@ import torch
 
 from roundalign.engine import compile as _compile
 from roundalign.engine.attention import AttentionSpec, KVCache, PrefillShapes, Step, forward_context
-from roundalign.engine.loader import head_dim, load
+from roundalign.engine.loader import check_dtype, head_dim, load
 from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
 from roundalign.engine.sampling import SamplingParams, process, request_generators, sample, token_logprobs
@@ -50,37 +51,42 @@ class Completion:
 
 
 class Engine:
-    """``Engine(model_or_path, profile="vllm", backend="kernels")``.
+    """``Engine(model_or_path, profile="vllm", backend="kernels", *, tokenizer=None, dtype=torch.bfloat16)``.
 
-    ``model_or_path``: an HF Qwen3 / Qwen2 / Llama ``*ForCausalLM`` (its weights are copied to bf16; later
+    ``model_or_path``: an HF Qwen3 / Qwen2 / Llama ``*ForCausalLM`` (its weights are copied to ``dtype``; later
     changes to it do not reach the engine) or a directory written by ``save_pretrained`` (its tokenizer is loaded
     if present). ``profile``: a profile name or ``Profile``; the ``kernels`` backend computes each region by its
     formula. ``backend``: ``"kernels"`` (per-op formulas, eager) or ``"inductor"`` (vLLM's forward_native code
-    compiled piecewise; its rounding points are the compiler's and do not depend on the profile).
+    compiled piecewise; its rounding points are the compiler's and do not depend on the profile). ``dtype``: the
+    served dtype, ``torch.bfloat16`` or ``torch.float16`` (Precision-RL's fp16 on both sides): the weights, every
+    rounding point, the KV cache's values and a c16 cos/sin cache are in it.
     """
 
-    def __init__(self, model_or_path, profile="vllm", backend: str = "kernels", *, tokenizer=None):
+    def __init__(self, model_or_path, profile="vllm", backend: str = "kernels", *, tokenizer=None,
+                 dtype: torch.dtype = torch.bfloat16):
         self.profile = get_profile(profile)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.backend = backend
-        self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer)
+        self.dtype = check_dtype(dtype)
+        self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer, dtype)
         self.max_model_len = int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)
         self._spec = AttentionSpec(self.config.num_attention_heads, self.config.num_key_value_heads,
                                    head_dim(self.config))
         self.compile_stats = {"graphs": 0, "pieces": 0, "seconds": 0.0}  # what this engine's calls compiled
         if backend == "kernels":
-            self._model = KernelsModel(self.weights, self.config, self.profile)
+            self._model = KernelsModel(self.weights, self.config, self.profile, dtype)
         else:
-            self._model = NativeModel(self.weights, self.config)
+            self._model = NativeModel(self.weights, self.config, dtype)
             # One backend object for every engine: dynamo guards on the backend, so engines of one model shape
             # share the compiled graph instead of compiling their own.
             self._compiled = torch.compile(self._model, backend=_piecewise(), fullgraph=True, dynamic=None)
 
     def __repr__(self) -> str:
+        dtype = "" if self.dtype == torch.bfloat16 else f", dtype={self.dtype}"
         return (f"Engine({self.config.model_type}, profile={self.profile.name!r}, backend={self.backend!r}, "
-                f"layers={self.config.num_hidden_layers})")
+                f"layers={self.config.num_hidden_layers}{dtype})")
 
     # ----------------------------------------------------------------------------------------------------------
     # forward
@@ -116,7 +122,7 @@ class Engine:
         """One batched prefill, then decode steps. ``choose(active, logits)`` gets the fp32 logits of the active
         sequences' next tokens and returns (next token, finished) per active sequence."""
         cache = KVCache(self.config.num_hidden_layers, len(prompts),
-                        max(len(p) + b for p, b in zip(prompts, budgets, strict=True)), self._spec)
+                        max(len(p) + b for p, b in zip(prompts, budgets, strict=True)), self._spec, self.dtype)
         lengths = [len(p) for p in prompts]
         step = Step.prefill(lengths, cache, self._spec, shapes)
         with torch.no_grad():
@@ -209,7 +215,7 @@ class Engine:
         return [torch.tensor(lps, dtype=torch.float32) for lps in out]  # fp32 -> float -> fp32 is exact
 
     def _prefill_logprobs(self, ids: list[int], capture: bool = False):
-        cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec)
+        cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec, self.dtype)
         step = Step.prefill([len(ids)], cache, self._spec)
         with torch.no_grad():
             hidden, captured = self._forward(torch.tensor(ids), step, capture)
@@ -217,9 +223,9 @@ class Engine:
         return (lps, captured) if capture else lps
 
     def hidden_states(self, token_ids) -> list[torch.Tensor]:
-        """Prefill of one sequence: the residual ``R = r(S)`` after every decoder layer, bf16 ``(tokens, hidden)``
-        each, ``num_hidden_layers`` of them. The last one is before the final norm (HF's last hidden state is after
-        it); the others equal HF's ``output_hidden_states[1:-1]``."""
+        """Prefill of one sequence: the residual ``R = r(S)`` after every decoder layer, ``(tokens, hidden)`` in the
+        engine's dtype each, ``num_hidden_layers`` of them. The last one is before the final norm (HF's last hidden
+        state is after it); the others equal HF's ``output_hidden_states[1:-1]``."""
         ids = self._token_list(token_ids, "token_ids")
         self._check_ids(ids, "token_ids", allow_empty=False)
         if len(ids) > self.max_model_len:
@@ -227,8 +233,9 @@ class Engine:
         return self._prefill_logprobs(ids, capture=True)[1]
 
     def load_weights(self, state_dict: dict, rounding: str = "rne") -> None:
-        """Replace the served copy from HF-named tensors (fp32 master or bf16), rounding to bf16 per ``rounding``.
-        In place: a compiled graph keeps running without a recompile."""
+        """Replace the served copy from HF-named tensors (fp32 master, bf16 or fp16), rounding to the engine's dtype
+        per ``rounding``; a weight that overflows the dtype (fp16: beyond 65504) is a ValueError. In place: a compiled
+        graph keeps running without a recompile."""
         self.weights.load(state_dict, rounding)
 
     # ----------------------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """The engine's served copy of the weights: where it comes from, what it must look like, and how it is replaced.
 
-An engine serves its own bf16 copy of the policy, separate from the trainer's parameters: in RL the trainer updates
-its (often fp32 master) weights and pushes them to the engine, which rounds them to bf16 on the way in. The served
+An engine serves its own 16-bit copy of the policy (bf16, or fp16 for an fp16 engine), separate from the trainer's
+parameters: in RL the trainer updates its (often fp32 master) weights and pushes them to the engine, which rounds
+them to its dtype on the way in. The served
 copy here is ``ServedWeights``, a tree of modules whose buffers carry HF's state_dict names
 (``model.layers.0.self_attn.q_proj.weight`` ...), so that ``load_weights`` takes an HF state_dict as it is. The
 modules hold tensors only; the numerics live in ``model.py`` (kernels backend) and ``native.py`` (inductor backend).
 
 Loading checks everything before it changes anything, and every error names the file or tensor and the fix:
 missing or corrupt model directory, unsupported family or attention/RoPE variant, unknown or missing tensors,
-wrong shapes, an unknown rounding mode.
+wrong shapes, an unknown rounding mode, a weight that overflows the served dtype (fp16's largest finite value is
+65504; a bf16 or fp32 weight beyond it would be served as inf).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama")
 ROUNDINGS = ("rne",)  # the RL weight-sync issue adds the others
+DTYPES = (torch.bfloat16, torch.float16)
 _JSONL_HINT = (
     "For other models, sample with vLLM or SGLang and compare their log-probs with "
     "`roundalign probe --engine-logprobs dump.jsonl`."
@@ -77,74 +80,84 @@ _CLASS_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 
 
 class _Linear(nn.Module):
-    def __init__(self, out_features: int, in_features: int, bias: bool):
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.bfloat16) if bias else None)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
 
 
 class _Weight(nn.Module):
     """A norm's or the embedding's ``weight``."""
 
-    def __init__(self, *shape: int):
+    def __init__(self, *shape: int, dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("weight", torch.zeros(*shape, dtype=torch.bfloat16))
+        self.register_buffer("weight", torch.zeros(*shape, dtype=dtype))
 
 
 class _Attention(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool, o_bias: bool):
         super().__init__()
         d, h = head_dim(config), config.hidden_size
         q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        self.q_proj, self.k_proj = _Linear(q, h, qkv_bias), _Linear(kv, h, qkv_bias)
-        self.v_proj = _Linear(kv, h, qkv_bias)
-        self.o_proj = _Linear(h, q, o_bias)
-        self.add_module("q_norm", _Weight(d) if qk_norm else None)  # a submodule slot either way
-        self.add_module("k_norm", _Weight(d) if qk_norm else None)
+        self.q_proj, self.k_proj = _Linear(q, h, qkv_bias, dtype), _Linear(kv, h, qkv_bias, dtype)
+        self.v_proj = _Linear(kv, h, qkv_bias, dtype)
+        self.o_proj = _Linear(h, q, o_bias, dtype)
+        self.add_module("q_norm", _Weight(d, dtype=dtype) if qk_norm else None)  # a submodule slot either way
+        self.add_module("k_norm", _Weight(d, dtype=dtype) if qk_norm else None)
 
 
 class _MLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, dtype: torch.dtype, bias: bool):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj, self.up_proj, self.down_proj = _Linear(i, h, bias), _Linear(i, h, bias), _Linear(h, i, bias)
+        self.gate_proj, self.up_proj = _Linear(i, h, bias, dtype), _Linear(i, h, bias, dtype)
+        self.down_proj = _Linear(h, i, bias, dtype)
 
 
 class _Layer(nn.Module):
-    def __init__(self, config, **attention_kw):
+    def __init__(self, config, dtype: torch.dtype, **attention_kw):
         super().__init__()
-        self.input_layernorm = _Weight(config.hidden_size)
-        self.self_attn = _Attention(config, **attention_kw)
-        self.post_attention_layernorm = _Weight(config.hidden_size)
-        self.mlp = _MLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = _Weight(config.hidden_size, dtype=dtype)
+        self.self_attn = _Attention(config, dtype, **attention_kw)
+        self.post_attention_layernorm = _Weight(config.hidden_size, dtype=dtype)
+        self.mlp = _MLP(config, dtype, bias=bool(getattr(config, "mlp_bias", False)))
 
 
 class _Body(nn.Module):
-    def __init__(self, config, **attention_kw):
+    def __init__(self, config, dtype: torch.dtype, **attention_kw):
         super().__init__()
-        self.embed_tokens = _Weight(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_Layer(config, **attention_kw) for _ in range(config.num_hidden_layers))
-        self.norm = _Weight(config.hidden_size)
+        self.embed_tokens = _Weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(_Layer(config, dtype, **attention_kw) for _ in range(config.num_hidden_layers))
+        self.norm = _Weight(config.hidden_size, dtype=dtype)
+
+
+def check_dtype(dtype) -> torch.dtype:
+    """The engine's served dtype: bf16 or fp16, anything else is a ValueError that names the choices."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
+                         "(an fp16 engine, for an fp16 trainer)")
+    return dtype
 
 
 class ServedWeights(nn.Module):
-    """bf16 tensors under HF's names: ``model.embed_tokens``, ``model.layers[i]...``, ``model.norm``, ``lm_head``.
+    """``dtype`` (bf16 or fp16) tensors under HF's names: ``model.embed_tokens``, ``model.layers[i]...``,
+    ``model.norm``, ``lm_head``.
 
     Biases follow each family's HF modules: Qwen2 has q/k/v biases; Qwen3 and Llama have q/k/v/o biases only with
     ``attention_bias``, and Llama MLP biases with ``mlp_bias``. With ``tie_word_embeddings`` the lm_head weight is
     the embedding tensor itself, as in HF.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         check_config(config)
+        self.dtype = check_dtype(dtype)
         family = config.model_type
         bias = bool(getattr(config, "attention_bias", False))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = _Body(
-            config, qk_norm=family == "qwen3", qkv_bias=bias or family == "qwen2", o_bias=bias and family != "qwen2"
-        )
-        self.lm_head = _Linear(config.vocab_size, config.hidden_size, bias=False)
+        self.model = _Body(config, dtype, qk_norm=family == "qwen3", qkv_bias=bias or family == "qwen2",
+                           o_bias=bias and family != "qwen2")
+        self.lm_head = _Linear(config.vocab_size, config.hidden_size, False, dtype)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -154,7 +167,8 @@ class ServedWeights(nn.Module):
 
     @torch.no_grad()
     def load(self, state_dict: dict, rounding: str = "rne") -> None:
-        """Copy HF-named tensors (fp32 or bf16) into the served copy, rounding to bf16 per ``rounding``, in place."""
+        """Copy HF-named tensors (fp32, bf16 or fp16) into the served copy, rounding to the served dtype per
+        ``rounding``, in place. A finite weight that would become inf in the served dtype (fp16) is an error."""
         if rounding not in ROUNDINGS:
             raise ValueError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
         if not isinstance(state_dict, dict):
@@ -183,9 +197,30 @@ class ServedWeights(nn.Module):
             if a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
                 raise ValueError("tie_word_embeddings is set but 'lm_head.weight' differs from "
                                  "'model.embed_tokens.weight'; pass one of them, or untie the config")
+        served = {}
         for name, src in state_dict.items():
-            # RNE: torch's fp32 -> bf16 cast rounds to nearest, ties to even. In place: compiled graphs read these.
-            expected[name].copy_(src.detach().to(device="cpu", dtype=torch.bfloat16))
+            # RNE: torch's fp32 -> bf16/fp16 cast rounds to nearest, ties to even.
+            served[name] = src.detach().to(device="cpu", dtype=self.dtype)
+            _check_overflow(name, src, served[name])
+        for name, value in served.items():
+            expected[name].copy_(value)  # in place: compiled graphs read these tensors
+
+
+def _check_overflow(name: str, src: torch.Tensor, served: torch.Tensor) -> None:
+    """A finite source value that rounds to inf: fp16's range ends at 65504, bf16's and fp32's near 3.4e38.
+
+    Values below fp16's normal range only lose precision (subnormals, or 0 below 2^-25) and are accepted: that is
+    the rounding an fp16 engine applies too. An inf would poison every activation it touches, so it is refused.
+    """
+    bad = torch.isinf(served) & torch.isfinite(src.detach().cpu())
+    if bad.any():
+        worst = src.detach().cpu()[bad].abs().max().item()
+        raise ValueError(
+            f"tensor {name!r} has {int(bad.sum())} value(s) (largest magnitude {worst:.6g}) beyond "
+            f"{str(served.dtype).replace('torch.', '')}'s largest finite value "
+            f"{torch.finfo(served.dtype).max:.6g}: they would be served as inf. Serve this model in bf16 "
+            "(dtype=torch.bfloat16), or rescale the weights into range first"
+        )
 
 
 def _describe(x) -> str:
@@ -196,15 +231,16 @@ def _describe(x) -> str:
 # from an HF model or a directory
 
 
-def load(model_or_path, tokenizer=None):
-    """(config, ServedWeights, tokenizer or None, eos token ids) from an HF ``*ForCausalLM`` or a model directory."""
+def load(model_or_path, tokenizer=None, dtype: torch.dtype = torch.bfloat16):
+    """(config, ServedWeights in ``dtype``, tokenizer or None, eos token ids) from an HF ``*ForCausalLM`` or a model
+    directory."""
     if isinstance(model_or_path, nn.Module):
         config = getattr(model_or_path, "config", None)
         if config is None or not hasattr(model_or_path, "lm_head"):
             raise TypeError(f"Engine needs an HF *ForCausalLM (a config and an lm_head), got "
                             f"{type(model_or_path).__name__}; pass the causal-LM model, not its base model")
         check_config(config)
-        weights = ServedWeights(config)
+        weights = ServedWeights(config, dtype)
         # A copy: later changes to the HF model (a training step) do not reach the engine until load_weights.
         weights.load(dict(model_or_path.state_dict()))
         gen = getattr(model_or_path, "generation_config", None)
@@ -215,7 +251,7 @@ def load(model_or_path, tokenizer=None):
     path = Path(model_or_path)
     config = read_config(path)
     check_config(config)
-    weights = ServedWeights(config)
+    weights = ServedWeights(config, dtype)
     weights.load(_read_safetensors(path))
     if tokenizer is None:
         tokenizer = read_tokenizer(path)

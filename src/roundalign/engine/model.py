@@ -15,9 +15,12 @@ Residual carrying, per rule (``S`` = the fp32 sum of an add, ``R = r(S)``; docs/
 | round_at_attention      | S              | S                                         | R                            |
 | never_round             | S              | S                                         | S                            |
 
-Matmuls are plain ``F.linear`` on 2-D ``(tokens, features)`` inputs, as vLLM flattens tokens; logits are the bf16
-lm_head matmul. RoPE reads a cos/sin cache in the profile's dtype (bf16 as vLLM casts it, or fp32 as
+Matmuls are plain ``F.linear`` on 2-D ``(tokens, features)`` inputs, as vLLM flattens tokens; logits are the 16-bit
+lm_head matmul. RoPE reads a cos/sin cache in the profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as
 SGLang/FlashInfer keep it); under ``qk_norm=fused_into_rope`` the q/k norm returns fp32 and RoPE rounds once.
+
+Every rounding point rounds to the engine's dtype, ``self.dtype``: bf16, or fp16 for an fp16 engine, the same
+formulas with ``r(.) = .to(float16)``.
 """
 
 from __future__ import annotations
@@ -36,20 +39,18 @@ from roundalign.ops.rope import _rope
 from roundalign.ops.swiglu import _swiglu
 from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule, RopeRounding
 
-BF16 = torch.bfloat16
-
 # The profile's formulas are roundalign.ops' own functions (_rms_norm, _rope, _swiglu, the two adds): the code its
 # torch.library ops run. The engine calls them directly, without the op dispatch that only torch.compile (opacity)
 # and autograd (the backward) need: same code, same bits as the trainer's ops, and a decode step about a quarter
 # faster on the tiny models (the dispatch costs more than the formula at a handful of tokens).
 
 
-def _residual_add(a: torch.Tensor, h: torch.Tensor, rule: ResidualRule):
+def _residual_add(a: torch.Tensor, h: torch.Tensor, rule: ResidualRule, dtype: torch.dtype):
     """``roundalign.ops.residual_add``: (R, what the next norm reads: R, or the fp32 sum S)."""
     if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
-        r = _add_rounded(a, h)  # R = r(h + a), one bf16 add
+        r = _add_rounded(a, h)  # R = r(h + a), one add in the model dtype
         return r, r
-    return _add_fp32_sum(a, h, BF16)  # (R = r(S), S)
+    return _add_fp32_sum(a, h, dtype)  # (R = r(S), S)
 
 
 def _plain(module):
@@ -68,8 +69,9 @@ class KernelsModel:
     """``forward(input_ids, step)`` over flattened tokens -> final-norm hidden states (and, on request, ``R`` after
     every decoder layer)."""
 
-    def __init__(self, weights, config, profile: Profile):
+    def __init__(self, weights, config, profile: Profile, dtype: torch.dtype = torch.bfloat16):
         self.weights = _plain(weights)
+        self.dtype = dtype  # what every r(.) rounds to
         self.eps = config.rms_norm_eps
         self.head_dim = head_dim(config)
         self.rms_rule = str(profile.rms_norm)
@@ -83,8 +85,9 @@ class KernelsModel:
         fused = has_qk_norm and profile.qk_norm is QKNormRule.FUSED_INTO_ROPE
         self.rope_rounding = str(RopeRounding.ONCE if fused else rope.rounding)
         inv_freq, scaling = rope_inv_freq(config)
-        dtype = BF16 if rope.cos_sin is CosSinDtype.BF16 else torch.float32  # c16 = r(cos(theta)), or c32
-        cos, sin = cos_sin_cache(inv_freq, config.max_position_embeddings, dtype, scaling).chunk(2, dim=-1)
+        # c16 = r(cos(theta)) in the model dtype (vLLM casts its cache to the model dtype), or c32.
+        cache_dtype = dtype if rope.cos_sin is CosSinDtype.BF16 else torch.float32
+        cos, sin = cos_sin_cache(inv_freq, config.max_position_embeddings, cache_dtype, scaling).chunk(2, dim=-1)
         self.cos, self.sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)  # (positions, head_dim)
 
     def _linear(self, x: torch.Tensor, lin, key, step: Step) -> torch.Tensor:
@@ -103,8 +106,8 @@ class KernelsModel:
         qk = torch.cat((q.view(n, -1, d), k.view(n, -1, d)), dim=1)
         if a.q_norm is not None:  # Qwen3: per-head RMSNorm, q_norm's weight on q's heads, k_norm's on k's
             w = torch.cat((a.q_norm.weight.expand(heads[0], d), a.k_norm.weight.expand(heads[1], d)))
-            qk = _rms_norm(qk, w, self.eps, self.qk_rule, BF16)  # fp32 under fused_into_rope
-        qk = _rope(qk, cos, sin, self.rope_rounding, BF16)
+            qk = _rms_norm(qk, w, self.eps, self.qk_rule, self.dtype)  # fp32 under fused_into_rope
+        qk = _rope(qk, cos, sin, self.rope_rounding, self.dtype)
         q, k = (t.reshape(n, -1) for t in qk.split(heads, dim=1))
         o = attention(i, q, k, v, step)
         return self._linear(o, a.o_proj, (i, "attention out"), step)
@@ -115,25 +118,25 @@ class KernelsModel:
         return self._linear(_swiglu(gate, up, self.swiglu_rule), mlp.down_proj, (i, "mlp out"), step)
 
     def forward(self, input_ids: torch.Tensor, step: Step, capture: bool = False):
-        w, rule, eps = self.weights.model, self.residual, self.eps
+        w, rule, eps, dtype = self.weights.model, self.residual, self.eps, self.dtype
         positions = step.positions()
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (tokens, 1, head_dim)
         x = F.embedding(input_ids, w.embed_tokens.weight)
-        rounded = x  # R: the bf16 residual; x: what the next norm reads (R, or the fp32 sum S)
+        rounded = x  # R: the 16-bit residual; x: what the next norm reads (R, or the fp32 sum S)
         captured = []
         for i, layer in enumerate(w.layers):
             residual = x if rule is ResidualRule.NEVER_ROUND else rounded
-            h = _rms_norm(x, layer.input_layernorm.weight, eps, self.rms_rule, BF16)
+            h = _rms_norm(x, layer.input_layernorm.weight, eps, self.rms_rule, dtype)
             h = self._attention(i, layer.self_attn, h, cos, sin, step)
-            rounded, x = _residual_add(h, residual, rule)
+            rounded, x = _residual_add(h, residual, rule, dtype)
             # Carried into the MLP's add: R, except where a compiled engine keeps the post-attention sum in fp32.
             residual = x if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else rounded
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps, self.rms_rule, BF16)
+            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps, self.rms_rule, dtype)
             h = self._mlp(i, layer.mlp, h, step)
-            rounded, x = _residual_add(h, residual, rule)
+            rounded, x = _residual_add(h, residual, rule, dtype)
             if capture:
                 captured.append(rounded)  # R = r(S) after this layer, whatever the rule carries on
-        h = _rms_norm(x, w.norm.weight, eps, self.rms_rule, BF16)
+        h = _rms_norm(x, w.norm.weight, eps, self.rms_rule, dtype)
         return h, captured
 
     def logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:

@@ -59,7 +59,8 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
 
 def cos_sin_cache(inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype, scaling: float = 1.0) -> torch.Tensor:
     """vLLM RotaryEmbedding's cache: fp32 angles from an einsum, ``cat(cos, sin)`` (times YaRN's ``scaling``, as
-    vLLM's scaled variants do), then cast to ``dtype``: bf16 for vLLM, kept fp32 for FlashInfer-style kernels."""
+    vLLM's scaled variants do), then cast to ``dtype``: the model dtype (bf16 or fp16) for vLLM, kept fp32 for
+    FlashInfer-style kernels."""
     t = torch.arange(max_position, dtype=torch.float)
     freqs = torch.einsum("i,j -> ij", t, inv_freq.float())
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(dtype)
@@ -108,7 +109,7 @@ class NativeModel(nn.Module):
     metadata and KV cache from the engine's forward context (``roundalign.engine.attention``).
     """
 
-    def __init__(self, weights: nn.Module, config):
+    def __init__(self, weights: nn.Module, config, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         from roundalign.engine.loader import head_dim, rope_inv_freq
 
@@ -118,8 +119,8 @@ class NativeModel(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         inv_freq, scaling = rope_inv_freq(config)
-        # vLLM casts its cos/sin cache to the model dtype: bf16.
-        cache = cos_sin_cache(inv_freq, config.max_position_embeddings, torch.bfloat16, scaling)
+        # vLLM casts its cos/sin cache to the model dtype: bf16, or fp16 for an fp16 engine.
+        cache = cos_sin_cache(inv_freq, config.max_position_embeddings, dtype, scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

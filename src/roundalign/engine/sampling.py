@@ -1,6 +1,6 @@
 """Sampling parameters, the sampler, and the two log-prob modes, with vLLM's semantics.
 
-Per step the engine hands the sampler fp32 logits ``(sequences, vocab)`` (the bf16 lm_head output, upcast). Then,
+Per step the engine hands the sampler fp32 logits ``(sequences, vocab)`` (the 16-bit lm_head output, upcast). Then,
 as vLLM's V1 sampler does:
 
 1. temperature: ``logits / temperature``; ``temperature == 0`` is greedy (argmax of the raw logits, and top-k/top-p
