@@ -1,0 +1,322 @@
+"""Export an fp32 master to the rollout engine's bf16 (or fp16) copy: RNE, stochastic rounding, error feedback.
+
+An RL trainer keeps fp32 master weights and serves a low-precision copy to its rollout engine every step. The usual
+export, ``master.to(torch.bfloat16)``, rounds to nearest even (RNE): an update smaller than half a bf16 ulp of the
+weight (``|dw| < |w|/256`` roughly) never reaches the served copy until enough of them pile up in the master, so the
+engine samples from a policy that lags the trainer. Fair Cast (Gao & Gao) exports without that bias:
+
+- ``"rne"``: ``served = r(master)``, the plain cast, as every framework does today.
+- ``"stochastic"``: unbiased stochastic rounding (SR). For ``a < x < b`` adjacent in the target dtype, ``served = b``
+  with probability ``(x - a) / (b - a)`` exactly, else ``a``; so ``E[served] = x`` and every update reaches the
+  engine in expectation. The noise comes from a seeded CPU generator per tensor (``ExportState.generator``).
+- ``"error-feedback"`` (EF): ``v = master + residual``, ``served = r(v)``, ``residual = v - served`` (exact in fp32,
+  Sterbenz). What one export drops is added back at the next, so the served copy's running sum tracks the master's
+  (sigma-delta modulation); deterministic, with one fp32 residual per weight as state.
+
+``r(.)`` is round-to-nearest-even; the rounding points are the explicit ``.to(dtype)`` casts below. SR in bf16 is
+the classic bit trick (add 16 random bits below the bf16 mantissa, truncate); fp16, whose grid does not line up
+with fp32's exponent for small values, adds random bits below the fp16 grid point by point and draws tiny values
+(below fp16's smallest subnormal) with an exact Bernoulli. Non-finite masters pass through as a plain cast does.
+Overflow: a finite value above the largest finite of the target rounds up to ``inf`` with the probability it would
+round up to the next power of two (``2^128`` for bf16, ``2^16`` for fp16); values at or above that are ``inf``,
+as with RNE near the top. Error feedback cannot carry an infinite residual, so where the served value is not finite
+its residual is reset to zero.
+
+``Exporter`` applies one mode to a whole HF-named state_dict each step, with per-tensor state seeded from
+``(seed, name)`` by SHA-256, so exports do not depend on dict order or ``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("rne", "stochastic", "error-feedback")
+EXPORT_DTYPES = (torch.bfloat16, torch.float16)
+
+_STATE_FORMAT = 1  # bump when Exporter.state_dict() changes shape
+
+
+@dataclass
+class ExportState:
+    """The per-tensor state of one exported tensor (what its next export depends on besides the master)."""
+
+    generator: torch.Generator | None = None  # stochastic: the seeded CPU generator this tensor's noise comes from
+    residual: torch.Tensor | None = None  # error-feedback: fp32, the master's part not yet served
+
+    @classmethod
+    def seeded(cls, seed: int) -> ExportState:
+        """A state with a CPU generator seeded with ``seed`` (what ``export_bf16(..., "stochastic", state)`` needs)."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed)
+        return cls(generator=generator)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown export mode {mode!r}; the modes are: {', '.join(MODES)}")
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in EXPORT_DTYPES:
+        names = ", ".join(str(d) for d in EXPORT_DTYPES)
+        raise ValueError(f"export dtype must be one of {names}, got {dtype}")
+
+
+def _check_master(master: torch.Tensor, what: str = "master") -> None:
+    if not isinstance(master, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(master).__name__}")
+    if master.dtype != torch.float32:
+        kind = "a low-precision" if master.dtype in (torch.bfloat16, torch.float16) else "a"
+        raise TypeError(
+            f"{what} is {kind} {master.dtype} tensor; pass the fp32 master (the trainer's float32 weights): exporting "
+            "from an already rounded or non-fp32 copy rounds twice or not at all"
+        )
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every element is finite, in one fast reduction (NaN propagates through min/max; isfinite is slow)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _uniform_bits(numel: int, bits: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``numel`` independent uniform integers in ``[0, 2**bits)`` as int32 (a power-of-two range: exactly uniform)."""
+    noise = torch.randint(0, 1 << bits, (numel,), generator=generator, dtype=torch.int32)
+    return noise.to(device)
+
+
+def _stochastic_bf16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # bf16 is the top 16 bits of fp32. Adding a uniform integer in [0, 2^16) to the low 16 bits carries into bit 16
+    # with probability exactly low16 / 2^16 = (|x| - a) / (b - a); truncating then gives b on a carry, a otherwise.
+    # fp32 is sign-magnitude, so on the int32 view the same add moves a negative value away from zero, and a carry
+    # into the exponent lands on the next binade's first value (or inf past the largest finite), which is right.
+    flat = master.reshape(-1)
+    noise = _uniform_bits(flat.numel(), 16, generator, master.device)
+    # In place on the noise buffer (this is a memory-bound pass): bits + noise, then clear the low 16 bits.
+    rounded = noise.add_(flat.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)  # on the bf16 grid
+    # inf + noise would stay inf, but a NaN's payload could carry into the sign bit: non-finite values take the cast.
+    if not _all_finite(flat):
+        rounded = torch.where(torch.isfinite(flat), rounded, flat)
+    return rounded.to(torch.bfloat16).reshape(master.shape)  # exact: every finite value is already on the bf16 grid
+
+
+def _bernoulli_dyadic(y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One exact Bernoulli(y) draw per element of fp32 ``y`` in (0, 1), however many bits y's fraction has.
+
+    ``y = M * 2^(E - 24)`` with a 24-bit integer ``M`` (frexp), ``E <= 0``. ``Bernoulli(M / 2^24)`` and
+    ``Bernoulli(2^E)`` (``-E`` fair coin flips all coming up 0) are independent, and their AND has probability
+    ``y`` exactly. ``-E <= 124`` for fp32 inputs, so four 31-bit words cover the flips.
+    """
+    mantissa, exponent = torch.frexp(y)
+    m = (mantissa * 16777216.0).to(torch.int64)  # exact: mantissa has 24 significant bits
+    accept = _uniform_bits(y.numel(), 24, generator, y.device).to(torch.int64) < m
+    flips = (-exponent).to(torch.int64)  # zero bits still required
+    for _ in range(4):
+        take = flips.clamp(max=31)
+        word = _uniform_bits(y.numel(), 31, generator, y.device).to(torch.int64)
+        accept &= (word >> (31 - take)) == 0  # the top `take` bits of the word are all zero
+        flips = flips - take
+    return accept
+
+
+def _stochastic_fp16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on |x| in fp32
+    # bits: drop d low bits, d = 13 in fp16's normal range and 13 + (-14 - e) below it (e = |x|'s binary exponent),
+    # by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16. d stays <= 23 for |x| >= 2^-24. Below
+    # that the neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
+    flat = master.reshape(-1)
+    mag = flat.abs()
+    bits = mag.view(torch.int32)
+    # d = 13 + max(0, -14 - e) with e = (bits >> 23) - 127, i.e. max(13, 126 - (bits >> 23)); capped at 23 so the
+    # shift stays in range (the capped values, tiny or zero, are redrawn or stay 0 below).
+    drop = (126 - (bits >> 23)).clamp_(13, 23)
+    low_mask = torch.ones_like(drop).bitwise_left_shift_(drop).sub_(1)  # 2^d - 1
+    noise = _uniform_bits(flat.numel(), 23, generator, master.device).bitwise_and_(low_mask)  # uniform in [0, 2^d)
+    # |x| + noise, low d bits cleared: on fp16's grid; 2^16 and above becomes inf in the final cast.
+    rounded = noise.add_(bits).bitwise_and_(low_mask.bitwise_not_()).view(torch.float32)
+    small = (bits < 0x33800000).nonzero().squeeze(1)  # |x| < 2^-24 (bit patterns of non-negative floats sort)
+    if small.numel():
+        index = small[bits[small] > 0]
+        up = _bernoulli_dyadic(mag[index] * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
+        rounded[index] = torch.where(up, 2.0**-24, 0.0)
+    rounded = torch.copysign(rounded, flat)  # sign back (also -0 for a negative value that rounds to 0)
+    if not _all_finite(flat):
+        rounded = torch.where(torch.isfinite(flat), rounded, flat)
+    return rounded.to(torch.float16).reshape(master.shape)  # exact on the grid; 2^16 and above -> inf
+
+
+def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype) -> torch.Tensor:
+    residual = state.residual
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32:
+            raise TypeError("ExportState.residual must be an fp32 tensor (or None to start from zeros)")
+        if residual.shape != master.shape:
+            raise ValueError(
+                f"ExportState.residual has shape {tuple(residual.shape)} but the master has {tuple(master.shape)}; "
+                "each tensor needs its own ExportState (a fresh ExportState() starts from a zero residual)"
+            )
+        if residual.device != master.device:
+            raise ValueError(f"ExportState.residual is on {residual.device} but the master is on {master.device}")
+    v = master if residual is None else master + residual  # fp32: the one rounding, fl32(master + residual)
+    served = v.to(dtype)  # RNE
+    back = served.float()
+    # v - served is exact in fp32 (Sterbenz: served is within half a target ulp of v). Where served is not finite
+    # (overflow, inf/nan master) no finite residual can carry the difference: restart that weight from zero.
+    residual = v - back
+    if not _all_finite(back):
+        residual = torch.where(torch.isfinite(back), residual, torch.zeros_like(residual))
+    state.residual = residual
+    return served
+
+
+def export_bf16(
+    master: torch.Tensor,
+    mode: str = "rne",
+    state: ExportState | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Export an fp32 master tensor as a new ``dtype`` (bf16 or fp16) tensor for the rollout engine.
+
+    ``mode``: ``"rne"`` (``master.to(dtype)``), ``"stochastic"`` (unbiased SR with noise from
+    ``state.generator``; make the state with ``ExportState.seeded(seed)`` and keep it across steps) or
+    ``"error-feedback"`` (``v = master + state.residual``, ``served = v.to(dtype)``, ``state.residual = v - served``;
+    ``ExportState()`` starts from a zero residual). Each tensor needs its own state. The master may live on any
+    device; SR draws its noise on the CPU generator and moves it there.
+    """
+    _check_mode(mode)
+    _check_dtype(dtype)
+    _check_master(master)
+    if state is not None and not isinstance(state, ExportState):
+        raise TypeError(f"state must be an ExportState or None, got {type(state).__name__}")
+    if mode == "rne":
+        return master.to(dtype)
+    if mode == "stochastic":
+        if state is None or state.generator is None:
+            raise ValueError(
+                "stochastic export needs a seeded generator per tensor: pass state=ExportState.seeded(seed) and keep "
+                "that state for this tensor across steps"
+            )
+        if state.generator.device.type != "cpu":
+            raise ValueError(f"ExportState.generator must be a CPU generator, got one on {state.generator.device}")
+        if dtype == torch.bfloat16:
+            return _stochastic_bf16(master, state.generator)
+        return _stochastic_fp16(master, state.generator)
+    if state is None:
+        raise ValueError(
+            "error-feedback export keeps a residual per tensor: pass state=ExportState() and keep that state for this "
+            "tensor across steps"
+        )
+    return _error_feedback(master, state, dtype)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of tensor ``name`` under exporter seed ``seed``: SHA-256, stable across runs and hosts."""
+    digest = hashlib.sha256(f"roundalign.sync:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Exporter:
+    """Exports a whole HF-named state_dict each step with one mode, keeping one ExportState per tensor name.
+
+    ``Exporter("stochastic", seed=0).export(master)`` returns ``{name: served}``. Stochastic states are seeded from
+    ``(seed, name)`` (``tensor_seed``), so the result does not depend on dict order, and the same seed gives bitwise
+    the same exports. Every call must carry the same names and shapes as the first: error feedback keeps a residual
+    per tensor and would lose it (or apply it to the wrong weights) if a tensor came and went.
+    """
+
+    def __init__(self, mode: str = "rne", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
+        _check_mode(mode)
+        _check_dtype(dtype)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.mode, self.seed, self.dtype = mode, seed, dtype
+        self.steps = 0
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # fixed by the first export
+        self._states: dict[str, ExportState] = {}
+
+    def _new_state(self, name: str) -> ExportState | None:
+        if self.mode == "stochastic":
+            return ExportState.seeded(tensor_seed(self.seed, name))
+        return ExportState() if self.mode == "error-feedback" else None
+
+    def _check_names(self, master: Mapping[str, torch.Tensor]) -> None:
+        if not isinstance(master, Mapping):
+            raise TypeError(f"master must be a dict of name -> fp32 tensor, got {type(master).__name__}")
+        for name, tensor in master.items():
+            if not isinstance(name, str):
+                raise TypeError(f"tensor names must be str, got {name!r}")
+            _check_master(tensor, f"master[{name!r}]")
+        if self._shapes is None:
+            return
+        missing = sorted(set(self._shapes) - set(master))
+        extra = sorted(set(master) - set(self._shapes))
+        reshaped = sorted(n for n in master if n in self._shapes and tuple(master[n].shape) != self._shapes[n])
+        if missing or extra or reshaped:
+            def few(names):
+                return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+
+            parts = [f"missing {few(missing)}"] * bool(missing) + [f"new {few(extra)}"] * bool(extra)
+            parts += [f"reshaped {few(reshaped)}"] * bool(reshaped)
+            raise ValueError(
+                f"Exporter.export got a different set of tensors than its first call ({'; '.join(parts)}): every "
+                "step must export the same names and shapes, or error feedback would lose residuals (and stochastic "
+                "noise streams would move to other tensors). Use a new Exporter for a different model."
+            )
+
+    def export(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name: fp32 master}`` -> ``{name: served tensor in self.dtype}``, in the input's order."""
+        self._check_names(master)  # everything is checked before any state moves, so a bad call changes nothing
+        if self._shapes is None:
+            self._shapes = {name: tuple(t.shape) for name, t in master.items()}
+            self._states = {name: self._new_state(name) for name in master}
+        served = {name: export_bf16(t, self.mode, self._states[name], self.dtype) for name, t in master.items()}
+        self.steps += 1
+        return served
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume bitwise: settings, shapes, generator states and residuals (copies)."""
+        generators, residuals = {}, {}
+        for name, state in self._states.items():
+            if state is not None and state.generator is not None:
+                generators[name] = state.generator.get_state()
+            if state is not None and state.residual is not None:
+                residuals[name] = state.residual.detach().clone()
+        shapes = None if self._shapes is None else {name: list(shape) for name, shape in self._shapes.items()}
+        return {
+            "format": _STATE_FORMAT, "mode": self.mode, "seed": self.seed, "dtype": _dtype_name(self.dtype),
+            "steps": self.steps, "shapes": shapes, "generators": generators, "residuals": residuals,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s output; the mode, seed and dtype must be this exporter's."""
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ValueError("not an Exporter.state_dict() of this roundalign version (missing or unknown 'format')")
+        mine = {"mode": self.mode, "seed": self.seed, "dtype": _dtype_name(self.dtype)}
+        differ = [f"{k}={state.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if state.get(k) != v]
+        if differ:
+            raise ValueError(f"state_dict is from a differently configured Exporter: {', '.join(differ)}")
+        shapes = None if state["shapes"] is None else {n: tuple(s) for n, s in state["shapes"].items()}
+        states = {}
+        for name, shape in (shapes or {}).items():
+            st = self._new_state(name)
+            if name in state["generators"]:
+                st.generator.set_state(state["generators"][name])
+            if name in state["residuals"]:
+                residual = state["residuals"][name]
+                if tuple(residual.shape) != shape or residual.dtype != torch.float32:
+                    raise ValueError(f"state_dict residual of {name!r} is not an fp32 tensor of shape {shape}")
+                st.residual = residual.detach().clone()
+            states[name] = st
+        self._shapes, self._states, self.steps = shapes, states, int(state["steps"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
