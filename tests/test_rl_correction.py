@@ -213,7 +213,7 @@ def test_metrics_against_hand_computation(mode, threshold):
     mean_w = sum(w) / len(w)
     ess = 1.0 / (sum((x / mean_w) ** 2 for x in w) / len(w))
     zero = [x == 0.0 for x in w]
-    per_seq_zero = [all(zero[:4]), all(zero[4:])]
+    per_seq_zero = [any(zero[:4]), any(zero[4:])]
     expected = {
         "rollout_corr/raw_is_mean": _approx(sum(rho) / len(rho)),
         "rollout_corr/raw_is_std": _approx(_std(rho)),
@@ -254,12 +254,12 @@ def test_trl_names_count_sequences_in_sequence_modes():
     assert m["rollout_corr/rollout_is_mean"] == _approx((3 * a + b) / 4)
 
 
-def test_partly_masked_sequence_is_not_counted_as_masked():
+def test_partly_masked_sequence_counts_as_masked_as_in_verl():
     rows = [[0.0, 2.0], [2.0, -2.0], [0.0]]  # one token masked / both masked / none
     old, rollout, mask = batch(rows, 2)
     _, m = is_weights(old, rollout, mask, ISCorrection.parse("token-mask"))
     assert m["rollout_corr/rollout_rs_masked_fraction"] == 3 / 5
-    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == 1 / 3
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == 2 / 3  # verl: sequences with any masked token
 
 
 def test_everything_masked_gives_zero_ess_and_full_masked_fractions():

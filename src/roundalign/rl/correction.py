@@ -247,8 +247,8 @@ def is_weights(
     - rollout_is_{mean,std,min,max}: the applied weights over valid tokens; rollout_is_eff_sample_size:
       1 / mean(w_norm^2), w_norm = w / mean(w) (verl's definition, without its +1e-8), 0.0 when every weight is 0;
       rollout_rs_masked_fraction: fraction of valid tokens with weight 0; rollout_rs_seq_masked_fraction: fraction
-      of sequences with every valid token at weight 0 (verl counts sequences with any masked token instead; the
-      two agree in the sequence modes).
+      of sequences with at least one valid token at weight 0 (verl's definition: in the sequence modes that is the
+      fraction of rejected sequences; in token-mask mode, of sequences that lost a token).
     - sampling/importance_sampling_ratio/{min,mean,max}: TRL's names for the applied weights, over valid tokens in
       the token modes and over sequences in the sequence modes (TRL flattens its (B, 1) ratio there).
     """
@@ -306,7 +306,7 @@ def _metrics(
     w_mean = float(wt.mean())
     ess = 0.0 if w_mean == 0.0 else 1.0 / float(((wt / w_mean) ** 2).mean())
     zero_tok = (w == 0) & mask
-    seq_all_zero = zero_tok.sum(dim=1) == mask.sum(dim=1)
+    seq_any_zero = zero_tok.any(dim=1)
     trl = wt if seq_w is None else seq_w.double()
     return {
         "rollout_corr/raw_is_mean": float(tok.mean()),
@@ -326,7 +326,7 @@ def _metrics(
         "rollout_corr/rollout_is_max": float(wt.max()),
         "rollout_corr/rollout_is_eff_sample_size": ess,
         "rollout_corr/rollout_rs_masked_fraction": _fraction(zero_tok[mask]),
-        "rollout_corr/rollout_rs_seq_masked_fraction": _fraction(seq_all_zero),
+        "rollout_corr/rollout_rs_seq_masked_fraction": _fraction(seq_any_zero),
         "sampling/importance_sampling_ratio/min": float(trl.min()),
         "sampling/importance_sampling_ratio/mean": float(trl.mean()),
         "sampling/importance_sampling_ratio/max": float(trl.max()),
