@@ -45,6 +45,7 @@ _NOT_GRID = {"out": "compare gives each cell its own --out", "resume": "compare 
              "betas": "its value 'b1,b2' holds a comma, which separates grid values; set it in the fixed options"}
 DEFAULT_COMMAND = (sys.executable, "-m", "roundalign.cli", "train")
 LOG_TAIL = 20  # lines of a failed cell's train.log shown in the report
+CELLS_FAILED = 4  # exit status when some cells failed (1-3 are the CLI's missing dependency, usage, diverged)
 
 
 class _TrainParser(argparse.ArgumentParser):
@@ -260,11 +261,11 @@ def _thread_env(jobs: int) -> dict[str, str]:
     return env
 
 
-def _say(console, text: str) -> None:
+def _say(console, text: str, markup: bool = True) -> None:
     if console is not None:
-        console.print(text, highlight=False)
+        console.print(text, highlight=False, markup=markup)
     else:
-        print(re.sub(r"\[/?[a-z ]+\]", "", text))
+        print(re.sub(r"\[/?[a-z ]+\]", "", text) if markup else text)
 
 
 def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1, command: list[str] | None = None,
@@ -316,8 +317,8 @@ def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1,
                 if rc != 0:
                     failed.append(cell.name)
                     tail = (out / cell.name / "train.log").read_text(errors="replace").splitlines()[-LOG_TAIL:]
-                    _say(console, f"[red]{cell.name} failed (exit status {rc}); last lines of its train.log:[/red]\n"
-                         + "\n".join("  " + line for line in tail))
+                    _say(console, f"[red]{cell.name} failed (exit status {rc}); last lines of its train.log:[/red]")
+                    _say(console, "\n".join("  " + line for line in tail), markup=False)
                 else:
                     _say(console, f"[green]{cell.name}[/green] done")
                 if bar is not None:
@@ -396,7 +397,8 @@ def load_runs(out: Path) -> list[Run]:
         config = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
         cell = json.loads((d / "cell.json").read_text()) if (d / "cell.json").is_file() else {}
         settings = cell.get("settings", config.get("extra") or {})
-        seed = cell.get("seed", None if "seed" not in config else str(config["seed"]))
+        seed = cell.get("seed")  # None when seed was not a grid key: the run's own (fixed or default) seed
+        seed = seed if seed is not None or "seed" not in config else str(config["seed"])
         runs.append(Run(d.name, dict(settings), config, read_metrics(d / "metrics.jsonl"), seed, d))
     return runs
 
@@ -504,13 +506,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--force", action="store_true", help="rerun cells whose directory already holds a finished run")
     a("--plots-only", action="store_true", help="run nothing: redo summary.md and the plots from the runs in --out")
     a("--smooth", type=int, default=5, metavar="N", help="centred moving average over N steps in the plots "
-      "(default 5; 1: none)")
+      "(default 5; at most an eighth of the longest run; 1: none)")
     a("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_OPTIONS",
       help="after '--': options passed to every roundalign train run, e.g. -- --steps 40 --engine-profile sglang")
 
 
 def run(args: argparse.Namespace, console) -> int:
-    """Plan, run, summarize and plot; 0 when every cell ran, 1 when some failed (the rest is still summarized)."""
+    """Plan, run, summarize and plot; 0 when every cell ran, ``CELLS_FAILED`` when some failed (the rest is still
+    summarized and plotted)."""
     from roundalign.rl.compare_plots import plot
 
     out = Path(args.out)
@@ -531,10 +534,10 @@ def run(args: argparse.Namespace, console) -> int:
             run_grid(cells, out, fixed, jobs=args.jobs, console=console, force=args.force)
         except GridError as exc:
             _say(console, f"[red]{exc}[/red]")
-            status = 1
+            status = CELLS_FAILED
     runs = load_runs(out)
     summary = summarize(runs, out)
     paths = plot(runs, out, smooth=args.smooth)
-    _say(console, summary.read_text())
+    _say(console, summary.read_text(), markup=False)
     _say(console, f"summary: {summary} (and summary.json); plots: {len(paths)} PNG in {out / 'plots'}/")
     return status
