@@ -2,9 +2,9 @@
 
 Each plot has x = training step and one line per configuration (the runs that differ only in seed): the mean
 across seeds, with a shaded band from the lowest to the highest seed. Lines are lightly smoothed (a centred moving
-average over a few steps, said in the title) because one step's batch is small and noisy; evaluation accuracy is
-drawn unsmoothed, at its own steps. A configuration keeps its colour and line style in every plot: the sync mode
-(when it is in the grid) picks the line style, the other grid settings the colour.
+average over a few steps, said in the title) because one step's batch is small and noisy; a run too short for that
+is drawn unsmoothed, and so is evaluation accuracy, at its own steps. A configuration keeps its colour and line
+style in every plot: the sync mode (when it is in the grid) picks the line style, the other grid settings the colour.
 
 ``rollout_corr/k3_kl`` spans decades and is exactly 0 on bitwise-aligned steps, which a log axis cannot show: zeros
 (and anything below the floor) are drawn at a floor one decade under the smallest nonzero value, marked by a
@@ -112,11 +112,14 @@ def _log_floor(curves: list[np.ndarray]) -> float:
 
 def draw(ax, runs: list[Run], panel: Panel, window: int, style: dict[str, dict]) -> bool:
     """Draw one panel on ``ax``; False (and a note on the axes) when no run logged the metric."""
+    from matplotlib.ticker import MaxNLocator
+
     window = window if panel.smooth else 1
     data = {label: series(group, panel.key, window) for label, group in group_runs(runs).items()}
     data = {label: d for label, d in data.items() if np.isfinite(d[1]).any()}
     if not data:
-        ax.text(0.5, 0.5, f"no run logged {panel.key}", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, f"{panel.key}: no values\n(absent or null in every run)", ha="center", va="center",
+                transform=ax.transAxes)
         ax.set_title(panel.title)
         return False
     floor = _log_floor([c for d in data.values() for c in d[1:]]) if panel.log else None
@@ -134,10 +137,20 @@ def draw(ax, runs: list[Run], panel: Panel, window: int, style: dict[str, dict])
         ax.axhline(floor, color="0.5", linestyle=(0, (1, 3)), linewidth=0.8)
         ylabel += f"\nlog scale; 0 and values < {floor:.0e} drawn at {floor:.0e} (dotted)"
     ax.set_title(panel.title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     return True
+
+
+def smoothing_window(runs: list[Run], smooth: int) -> int:
+    """The moving-average window actually used: ``smooth`` steps, at most an eighth of the longest run (odd, so it
+    stays centred), and none below 3, so a short run is drawn as it is rather than flattened."""
+    longest = max((len(r.train_steps) for r in runs), default=0)
+    window = min(smooth, longest // 8)
+    window -= 1 - window % 2
+    return window if window >= 3 else 1
 
 
 def _smoothing_note(window: int) -> str:
@@ -150,6 +163,7 @@ def plot(runs: list[Run], out: Path, smooth: int = 5) -> list[Path]:
         raise ValueError("no runs to plot")
     if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
         raise ValueError(f"smooth is a window of steps, an int >= 1 (1: no smoothing), got {smooth!r}")
+    smooth = smoothing_window(runs, smooth)
     plt = _pyplot()
     folder = Path(out) / "plots"
     folder.mkdir(parents=True, exist_ok=True)
