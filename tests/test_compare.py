@@ -218,11 +218,12 @@ def test_run_grid_rejects_bad_jobs(tmp_path):
 # Reading runs back, the summary, the plots
 
 
-def _write_run(out: Path, name: str, settings: dict, seed: int, rows: list[dict]) -> None:
+def _write_run(out: Path, name: str, settings: dict, seed: int, rows: list[dict], seed_in_grid: bool = True) -> None:
     d = out / name
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"steps": max(r["step"] for r in rows), "seed": seed}))
-    (d / "cell.json").write_text(json.dumps({"name": name, "settings": settings, "seed": str(seed)}))
+    cell_seed = str(seed) if seed_in_grid else None
+    (d / "cell.json").write_text(json.dumps({"name": name, "settings": settings, "seed": cell_seed}))
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -284,9 +285,11 @@ def test_summary_numbers_match_a_hand_computation(tmp_path):
 
 
 def test_a_resumed_run_relogs_steps_and_the_later_line_wins(tmp_path):
-    _write_run(tmp_path, "r", {}, 0, [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2},
-                                      {"step": 2, "reward/mean": 0.3}, {"step": 3, "reward/mean": 0.4}])
+    _write_run(tmp_path, "r", {}, 7, [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2},
+                                      {"step": 2, "reward/mean": 0.3}, {"step": 3, "reward/mean": 0.4}],
+               seed_in_grid=False)
     (run,) = load_runs(tmp_path)
+    assert run.seed == "7"  # not a grid key: the run's own seed, from its config.json
     assert [(m["step"], m["reward/mean"]) for m in run.metrics] == [(1, 0.1), (2, 0.3), (3, 0.4)]
 
 
@@ -306,6 +309,15 @@ def test_moving_average_is_centred_and_shrinks_at_the_ends():
     expected = np.array([(1 + 2) / 2, (1 + 2) / 2, (2 + 4) / 2, (4 + 8) / 2, (4 + 8) / 2])
     assert np.array_equal(moving_average(v, 3), expected)
     assert np.array_equal(moving_average(v, 1), v, equal_nan=True)
+
+
+@pytest.mark.parametrize("steps, smooth, window", [(60, 5, 5), (60, 4, 3), (60, 9, 7), (24, 5, 3), (20, 5, 1),
+                                                  (3, 5, 1), (60, 1, 1)])
+def test_smoothing_window_is_odd_and_at_most_an_eighth_of_the_run(steps, smooth, window):
+    from roundalign.rl.compare_plots import smoothing_window
+
+    run = compare.Run("r", {}, {}, [{"step": s} for s in range(steps + 1)])
+    assert smoothing_window([run], smooth) == window
 
 
 def test_plot_writes_one_png_per_metric_and_an_overview(tmp_path):
@@ -338,11 +350,12 @@ def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monke
 
     plotted = []
     monkeypatch.setattr(compare_plots, "plot", lambda runs, out, smooth: plotted.append(len(runs)) or [])
-    # --plots-only runs nothing; a failed cell makes the exit status 1 but the rest is still summarized.
+    # --plots-only runs nothing; a failed cell sets the exit status but the rest is still summarized.
     assert compare.run(_cli_args("--plots-only", "--out", str(out)), console=None) == 0
     assert len(_calls(calls)) == 2
     monkeypatch.setenv("FAKE_TRAIN_FAIL_SEEDS", "2")
-    assert compare.run(_cli_args("--grid", "seed=0,1,2", "--out", str(out), "--", "--steps", "4"), None) == 1
+    args = _cli_args("--grid", "seed=0,1,2", "--out", str(out), "--", "--steps", "4")
+    assert compare.run(args, console=None) == compare.CELLS_FAILED
     assert "seed-2" in (out / "summary.md").read_text() and plotted == [2, 2]
     with pytest.raises(ValueError, match="--grid is required"):
         compare.run(_cli_args("--out", str(out)), console=None)
