@@ -357,5 +357,8 @@ def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monke
     args = _cli_args("--grid", "seed=0,1,2", "--out", str(out), "--", "--steps", "4")
     assert compare.run(args, console=None) == compare.CELLS_FAILED
     assert "seed-2" in (out / "summary.md").read_text() and plotted == [2, 2]
+    with pytest.raises(ValueError, match="--jobs must be >= 1"):
+        compare.run(_cli_args("--grid", "seed=5", "--jobs", "0", "--out", str(tmp_path / "other")), console=None)
+    assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="--grid is required"):
         compare.run(_cli_args("--out", str(out)), console=None)

@@ -524,6 +524,8 @@ def run(args: argparse.Namespace, console) -> int:
     if not args.plots_only:
         if not args.grid:
             raise ValueError("--grid is required (or --plots-only to redo the summary and plots of --out)")
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         grid = parse_grid(args.grid)
         cells = plan(grid, fixed)
         out.mkdir(parents=True, exist_ok=True)
