@@ -161,11 +161,13 @@ class UpdateTracker:
         newest = self.calls % window
         self._ring[newest] = self._sampled(master).float()  # exact: the values are fp32
         available = min(self.calls + 1, window)
-        # Row of m_{t-k} for k = 0 .. available-1, newest first, so argmin's first-index tie rule picks the smallest k.
-        rows = [(newest - k) % window for k in range(available)]
         s = self._sampled(served)
-        distances = (self._ring[rows].double() - s).square_().sum(dim=1)  # squared L2 per k (argmin is the same)
-        k = int(torch.argmin(distances))  # first minimum: the smallest k among ties
+        # Squared L2 per ring row (same argmin as L2), on the filled rows in place: no gather of the whole window.
+        per_row = (self._ring[:available].double() - s).square_().sum(dim=1)
+        # Reorder to k = 0 .. available-1 (m_{t-k} sits in row newest - k), so that argmin's first-index rule
+        # breaks ties towards the smallest k.
+        rows = (newest - torch.arange(available)) % window
+        k = int(torch.argmin(per_row[rows]))
         saturated = 1.0 if k == available - 1 and available == window else 0.0
         return float(k), saturated
 
