@@ -8,6 +8,8 @@ Usage::
     roundalign profiles --json          # all profiles as JSON (a list of Profile.to_dict())
     roundalign profiles vllm --json     # one profile as JSON; Profile.load() reads it back
     roundalign probe                    # the mismatch audit on the shipped model (roundalign.probe.cli)
+    roundalign train --out DIR          # a GRPO run on the reference engine (roundalign.rl.cli, docs/train.md)
+    roundalign compare --grid ...       # a grid of train runs, plotted and tabulated (roundalign.rl.compare)
 
 Formulas use the notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16, everything
 inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
@@ -16,7 +18,8 @@ Each subcommand is a ``Command`` in ``COMMANDS``: a name, a one-line help, a fun
 to an argparse subparser, and a function that runs it and returns the exit status. Adding a subcommand
 (``probe``, ``train``, ``fit``, ``fingerprint``) means writing those two functions and registering them with
 ``@command(...)``; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
-error (argparse's own errors and unknown profile names alike).
+error (argparse's own errors and unknown profile names alike), 3 a training run that diverged (a non-finite loss
+or gradient; the message names the step, the quantity and the last good checkpoint).
 
 The tables need ``rich`` (the ``[cli]`` extra); ``--json`` works without it.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from roundalign.profiles import REGIONS, Profile, get_profile, list_profiles
 
 # Exit statuses.
-OK, MISSING_DEPENDENCY, USAGE = 0, 1, 2
+OK, MISSING_DEPENDENCY, USAGE, DIVERGED = 0, 1, 2, 3
 
 # The profile-per-row overview needs about this many columns; narrower terminals get a row per region.
 WIDE = 150
@@ -198,6 +201,56 @@ def _probe(args: argparse.Namespace) -> int:
         _error(str(exc))
         return USAGE
     return OK
+
+
+# -----------------------------------------------------------------------------
+# roundalign train [...] / roundalign compare [...]: the GRPO harness (roundalign.rl)
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.rl.cli import add_arguments
+
+    add_arguments(parser)
+
+
+@command("train", "a GRPO run on the reference engine: trainer profile, IS correction, Fair Cast weight export",
+         _train_arguments)
+def _train(args: argparse.Namespace) -> int:
+    from roundalign.rl.cli import run
+    from roundalign.rl.loop import TrainingDiverged
+
+    console = _console()
+    if console is None:
+        return MISSING_DEPENDENCY
+    try:
+        return run(args, console)
+    except (ValueError, FileNotFoundError) as exc:
+        _error(str(exc))
+        return USAGE
+    except TrainingDiverged as exc:
+        _error(str(exc))
+        return DIVERGED
+
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.rl.compare import add_arguments
+
+    add_arguments(parser)
+
+
+@command("compare", "run a grid of train runs (e.g. --grid trainer=hf,aligned sync=rne,stochastic seed=0,1) and "
+         "plot them", _compare_arguments)
+def _compare(args: argparse.Namespace) -> int:
+    from roundalign.rl.compare import run
+
+    console = _console()
+    if console is None:
+        return MISSING_DEPENDENCY
+    try:
+        return run(args, console)
+    except (ValueError, FileNotFoundError) as exc:
+        _error(str(exc))
+        return USAGE
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""``roundalign train``: one GRPO run on the reference engine, from the command line.
+
+    roundalign train --out runs/hf-rne --trainer-profile hf --sync rne --steps 60
+    roundalign train --out runs/aligned-sr --trainer-profile engine --sync stochastic
+    roundalign train --resume runs/aligned-sr --steps 120      # continue a run from its last checkpoint
+
+Every option maps onto one ``TrainConfig`` field (``--group-size`` -> ``group_size``). Options are read with
+argparse defaults suppressed, so the run knows which ones the user gave: a resumed run takes its settings from the
+run's ``config.json`` and rejects a given option that contradicts it (only ``--steps`` and ``--save-every`` may
+change), and ``--clip-eps`` given with ``--loss-type reinforce`` is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from roundalign.profiles import list_profiles
+from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, OPTIMIZERS, TrainConfig
+from roundalign.rl.correction import IS_MODES
+from roundalign.rl.objective import LOSS_TYPES
+from roundalign.sync import MODES as SYNC_MODES
+
+RESUMABLE_CHANGES = ("steps", "save_every")  # settings a resumed run may change: neither alters the metrics
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--betas takes two numbers 'b1,b2', got {text!r}") from None
+    return a, b
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    profiles = ", ".join(list_profiles())
+    g = parser.add_argument_group("run")
+    a = g.add_argument
+    a("--out", metavar="DIR", help="run directory: config.json, metrics.jsonl, checkpoints/ (default runs/train)")
+    a("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (its config.json rules)")
+    a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
+    a("--steps", type=int, help=f"training steps (default {d.steps})")
+    a("--seed", type=int, help=f"seed for problems, sampling and stochastic export (default {d.seed})")
+    a("--save-every", type=int, metavar="N", help="checkpoint every N steps (default 0: only at the end)")
+    a("--eval-every", type=int, metavar="N", help=f"greedy held-out accuracy every N steps (default {d.eval_every}; 0: "
+      "never)")
+    a("--eval-problems", type=int, metavar="N", help=f"held-out problems per evaluation (default {d.eval_problems})")
+    a("--no-tensorboard", action="store_true", help="do not write TensorBoard events even if tensorboard is installed")
+    a("--quiet", action="store_true", help="no progress bar")
+    g = parser.add_argument_group("rollouts (the reference engine)")
+    a = g.add_argument
+    a("--engine-profile", metavar="NAME",
+      help=f"the engine's rounding profile (default {d.engine_profile}; {profiles})")
+    a("--engine-backend", choices=ENGINE_BACKENDS, help=f"engine numerics backend (default {d.engine_backend})")
+    a("--prompts-per-step", type=int, help=f"problems per step (default {d.prompts_per_step})")
+    a("--group-size", type=int, help=f"completions per problem (default {d.group_size})")
+    a("--max-tokens", type=int, help=f"max completion tokens (default {d.max_tokens})")
+    a("--temperature", type=float, help=f"sampling temperature (default {d.temperature})")
+    a("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
+    a("--level", type=int, choices=(1, 2, 3), help=f"arithmetic level of the training problems (default {d.level})")
+    g = parser.add_argument_group("trainer")
+    a = g.add_argument
+    a("--trainer-profile", metavar="NAME", help="the trainer's rounding profile: 'engine' (default: round where the "
+      f"engine does), hf (stock), aligned, or any of {profiles}")
+    a("--dtype", choices=DTYPES, help="compute dtype of trainer and engine (default bfloat16; float16 is the "
+      "Precision-RL baseline, with dynamic loss scaling)")
+    a("--loss-type", choices=LOSS_TYPES, help="grpo (PPO-clip, default) or reinforce")
+    a("--inner-epochs", type=int, help="passes over each step's rollouts (default 1)")
+    a("--clip-eps", type=float, help="PPO clip epsilon (default 0.2)")
+    a("--clip-eps-high", type=float, help="upper clip epsilon (DAPO clip-higher; default: --clip-eps)")
+    a("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
+    a("--lr", type=float, help=f"learning rate (default {d.lr:g})")
+    a("--weight-decay", type=float, help=f"decoupled weight decay (default {d.weight_decay:g})")
+    a("--betas", type=_betas, metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")
+    a("--grad-clip", type=float, help=f"max total gradient norm (default {d.grad_clip:g}; 0: off)")
+    a("--rollout-is", choices=IS_MODES,
+      help="importance-sampling correction between sampler and trainer (default none)")
+    a("--rollout-is-threshold", metavar="U|L_U", help="its bounds in verl's format, e.g. 2.0 or 0.5_2.0 (default "
+      "per mode, docs/train.md)")
+    a("--loss-scale", type=float, help="float16: initial dynamic loss scale (default 65536)")
+    g = parser.add_argument_group("weight export (Fair Cast)")
+    a = g.add_argument
+    a("--sync", choices=SYNC_MODES, help="how master weights are rounded for the engine each step (default rne)")
+    a("--loss-on-served", action=argparse.BooleanOptionalAction, help="compute the trainer's forward on the served "
+      "weights (default: on for stochastic and error-feedback)")
+    a("--lag-window", type=int, help="steps of master history kept to estimate the served copy's lag (default 256)")
+    for action in parser._actions:  # no defaults in the namespace: only what the user gave (see the docstring)
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+
+
+_NOT_CONFIG = ("out", "resume", "no_tensorboard", "quiet", "command")
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
+    """(validated config, run directory, whether to resume) from parsed ``train`` arguments."""
+    given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        out = Path(resume)
+        if getattr(args, "out", None) is not None and Path(args.out) != out:
+            raise ValueError("--resume DIR continues the run in DIR; drop --out (or give the same directory)")
+        path = out / "config.json"
+        if not path.is_file():
+            raise ValueError(f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
+                             "by roundalign train")
+        saved = TrainConfig.from_dict(json.loads(path.read_text()))
+        clash = {k: (getattr(saved, k), v) for k, v in given.items()
+                 if k not in RESUMABLE_CHANGES and _normal(getattr(saved, k)) != _normal(v)}
+        if clash:
+            lines = ", ".join(f"--{k.replace('_', '-')} {new!r} (the run has {old!r})"
+                              for k, (old, new) in clash.items())
+            raise ValueError(f"a resumed run keeps its settings; these options contradict {str(path)!r}: {lines}. "
+                             f"Only {', '.join('--' + c.replace('_', '-') for c in RESUMABLE_CHANGES)} may change")
+        config = saved.replace(**{k: v for k, v in given.items() if k in RESUMABLE_CHANGES})
+        return config.validate(), out, True
+    config = TrainConfig(**given)
+    return config.validate(), Path(getattr(args, "out", None) or "runs/train"), False
+
+
+def _normal(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def run(args: argparse.Namespace, console) -> int:
+    from roundalign.rl.loop import train
+
+    config, out, resume = config_from_args(args)
+    train(config, out, resume=resume, console=console, progress=not getattr(args, "quiet", False),
+          tensorboard=not getattr(args, "no_tensorboard", False))
+    return 0

@@ -1,0 +1,177 @@
+"""``TrainConfig``: every setting of a ``roundalign train`` run, validated before any work starts.
+
+One frozen dataclass holds the run. ``roundalign train``'s options map onto its fields one to one (``--group-size``
+is ``group_size``), ``config.json`` in the run directory is its ``to_dict()``, and ``--resume`` reads it back, so a
+resumed run cannot silently change a setting. ``validate`` rejects option combinations that would make a run
+meaningless, each with the reason and the fix, before a model is loaded (docs/train.md, "Invalid combinations").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from roundalign.profiles import get_profile
+from roundalign.rl.correction import ISCorrection
+from roundalign.rl.objective import LOSS_TYPES
+from roundalign.sync import MODES as SYNC_MODES
+
+OPTIMIZERS = ("adamw", "sgd")
+DTYPES = ("bfloat16", "float16")
+ENGINE_BACKENDS = ("kernels", "inductor")
+TRAINER_SAME_AS_ENGINE = "engine"  # --trainer-profile engine: round where the engine does (the aligned trainer)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A GRPO run on the reference engine. Field docs are the CLI's help texts (rl/cli.py)."""
+
+    model: str | None = None  # None: the shipped tiny-qwen3
+    steps: int = 60
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    level: int = 3
+    engine_profile: str = "vllm"
+    engine_backend: str = "kernels"
+    trainer_profile: str = TRAINER_SAME_AS_ENGINE
+    loss_type: str = "grpo"
+    inner_epochs: int = 1
+    clip_eps: float | None = None  # None: 0.2 for grpo; must stay None for reinforce
+    clip_eps_high: float | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max total grad norm; 0 disables clipping
+    rollout_is: str = "none"
+    rollout_is_threshold: str | None = None
+    dtype: str = "bfloat16"
+    loss_scale: float = 2.0**16  # fp16 only: the initial dynamic loss scale
+    loss_scale_growth_interval: int = 400  # fp16 only: steps without overflow before the scale doubles (verl's)
+    sync: str = "rne"
+    loss_on_served: bool | None = None  # None: on for stochastic / error-feedback, off for rne
+    eval_every: int = 10
+    eval_problems: int = 64
+    lag_window: int = 256
+    seed: int = 0
+    save_every: int = 0
+    extra: dict = field(default_factory=dict)  # free-form labels (compare's grid cell); never read by the loop
+
+    # ----------------------------------------------------------------------------------------------------------
+
+    @property
+    def resolved_trainer_profile(self) -> str:
+        return self.engine_profile if self.trainer_profile == TRAINER_SAME_AS_ENGINE else self.trainer_profile
+
+    @property
+    def resolved_loss_on_served(self) -> bool:
+        return self.sync != "rne" if self.loss_on_served is None else self.loss_on_served
+
+    @property
+    def resolved_clip_eps(self) -> float:
+        return 0.2 if self.clip_eps is None else self.clip_eps
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def correction(self) -> ISCorrection:
+        return ISCorrection.parse(self.rollout_is, self.rollout_is_threshold)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"config has unknown setting(s) {unknown}; it was written by another roundalign version")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> TrainConfig:
+        """Raise ``ValueError`` naming the first bad setting and the fix; return ``self`` when all is well."""
+        _positive_int(self.steps, "steps")
+        _positive_int(self.prompts_per_step, "prompts_per_step")
+        _positive_int(self.max_tokens, "max_tokens")
+        _positive_int(self.inner_epochs, "inner_epochs")
+        _positive_int(self.eval_problems, "eval_problems")
+        _positive_int(self.lag_window, "lag_window")
+        for name in ("eval_every", "save_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 = never), got {v!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "
+                             "completion's reward against the other completions of its prompt")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
+                             "completion of a group identical, so every advantage is 0 and nothing is learned")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
+        for name in named:
+            try:
+                get_profile(getattr(self, name))
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        _choice(self.engine_backend, ENGINE_BACKENDS, "engine_backend")
+        _choice(self.loss_type, LOSS_TYPES, "loss_type")
+        _choice(self.optimizer, OPTIMIZERS, "optimizer")
+        _choice(self.dtype, DTYPES, "dtype")
+        _choice(self.sync, SYNC_MODES, "sync")
+        if self.loss_type == "reinforce":
+            if self.inner_epochs != 1:
+                raise ValueError(f"inner_epochs={self.inner_epochs} with loss_type=reinforce: plain REINFORCE has no "
+                                 "ratio to clip, so a second pass over the same rollouts is off-policy with nothing to "
+                                 "correct it; use loss_type=grpo (PPO-clip) for several inner epochs")
+            if self.clip_eps is not None or self.clip_eps_high is not None:
+                raise ValueError("clip_eps / clip_eps_high apply to loss_type=grpo (PPO-clip); plain REINFORCE "
+                                 "does not clip: drop them or use loss_type=grpo")
+        eps = self.resolved_clip_eps
+        if not 0 < eps < 1 or (self.clip_eps_high is not None and not 0 < self.clip_eps_high):
+            raise ValueError(f"clip_eps must be in (0, 1) and clip_eps_high > 0, got {eps!r} / {self.clip_eps_high!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"grad_clip must be >= 0 (0 = no clipping), got {self.grad_clip!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.optimizer == "sgd" and tuple(self.betas) != (0.9, 0.999):
+            raise ValueError("betas apply to adamw only; drop them or use optimizer=adamw")
+        self.correction()  # raises on a bad mode or threshold
+        if self.loss_on_served and self.sync == "rne":
+            raise ValueError("loss_on_served with sync=rne changes nothing: the trainer's compute copy already is "
+                             "the RNE cast of the master, which is exactly what rne serves. Use --sync stochastic or "
+                             "--sync error-feedback (where loss_on_served is on by default), or drop --loss-on-served")
+        if self.dtype == "float16":
+            if not (math.isfinite(self.loss_scale) and self.loss_scale >= 1):
+                raise ValueError(f"loss_scale must be >= 1, got {self.loss_scale!r}")
+            _positive_int(self.loss_scale_growth_interval, "loss_scale_growth_interval")
+            if self.engine_backend != "kernels":
+                raise ValueError("dtype=float16 runs the engine's kernels backend; drop --engine-backend inductor")
+        return self
+
+
+def _positive_int(v, name: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def _choice(v, choices, name: str) -> None:
+    if v not in choices:
+        raise ValueError(f"unknown {name} {v!r}; choose one of {', '.join(choices)}")

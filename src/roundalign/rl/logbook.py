@@ -1,0 +1,79 @@
+"""Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard when it is installed, a live progress bar.
+
+One JSON object per line, ``{"step": N, "<metric>": value, ...}``, flushed at every step so that a crashed or
+running job can be read (``roundalign compare`` reads these files). Values are floats, ints, or null where a metric
+is undefined (for example the update visibility before a second export). TensorBoard gets the same scalars under
+the same names (nulls skipped) when ``torch.utils.tensorboard`` can be imported (``pip install tensorboard``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class Logbook:
+    def __init__(self, out: Path, tensorboard: bool = True, console=None):
+        self.path = out / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if console is not None:
+                    console.print("[dim]TensorBoard is not installed (pip install tensorboard): metrics go to "
+                                  f"{self.path} only[/dim]")
+            else:
+                self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step}
+        for k, v in metrics.items():
+            row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """A rich progress bar over steps with the live reward, k3_kl and update visibility; a no-op when disabled."""
+
+    def __init__(self, total: int, start: int, console=None, enabled: bool = True):
+        self._bar = None
+        if not enabled or console is None:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                             TextColumn("{task.fields[status]}"), console=console, transient=False)
+        self._task = self._bar.add_task("train", total=total, completed=start, status="")
+        self._bar.start()
+
+    def update(self, metrics: dict) -> None:
+        if self._bar is None:
+            return
+
+        def fmt(key, spec):
+            v = metrics.get(key)
+            return "-" if v is None else format(v, spec)
+
+        status = (f"reward {fmt('reward/mean', '.3f')}  k3_kl {fmt('rollout_corr/k3_kl', '.2e')}  "
+                  f"visible {fmt('sync/visible_fraction', '.3f')}  lag {fmt('sync/lag_steps', '.0f')}")
+        if "eval/accuracy" in metrics:
+            status += f"  eval {metrics['eval/accuracy']:.3f}"
+        self._bar.update(self._task, advance=1, status=status)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,222 @@
+"""The GRPO loop of ``roundalign train``: rollout, recompute, update, sync, once per step.
+
+One step, with the timing key each phase is logged under:
+
+1. ``timing_s/rollout``: the reference engine samples ``group_size`` completions for each of ``prompts_per_step``
+   problems, from its served 16-bit copy, under the engine profile. Its decode-time log-probs (``processed``: after
+   temperature and top-p, verl's default ``logprobs_mode``) are the sampler's log-probs, as verl and TRL take them.
+   Rewards are exact-answer checks.
+2. ``timing_s/recompute``: the trainer recomputes every completion's log-probs on its compute copy (verl's
+   ``old_log_prob``), one unpadded sequence per forward. Trainer-vs-sampler mismatch metrics (the probe's, with
+   verl's and TRL's names) and the importance-sampling weights come from these and the sampler's log-probs.
+3. ``timing_s/update``: ``inner_epochs`` passes of the objective (rl/objective.py) over the batch, one sequence per
+   micro-batch, gradients summed in fp32 into the master; then clipping and the optimizer step on the fp32 master.
+   Sequences whose advantage is 0 (every completion of their group got the same reward) add exactly nothing to the
+   gradient, so they are skipped; ``actor/*`` statistics cover the sequences that were trained on.
+4. ``timing_s/sync``: the master is exported to the engine (``roundalign.sync``, ``--sync``), the trainer's compute
+   copy is refreshed (the RNE cast, or the served copy under ``--loss-on-served``), and the update visibility of the
+   export is measured.
+
+Every ``eval_every`` steps (and at step 0 and the last step) the engine answers the held-out problems greedily:
+``eval/accuracy``. ``docs/train.md`` lists every metric.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from roundalign.engine import Engine, SamplingParams
+from roundalign.probe.metrics import mismatch_metrics
+from roundalign.rl import checkpoint
+from roundalign.rl.config import TrainConfig
+from roundalign.rl.correction import is_weights
+from roundalign.rl.data import Task, sampling_seed
+from roundalign.rl.logbook import Logbook, Progress
+from roundalign.rl.objective import group_advantages, policy_loss
+from roundalign.rl.policy import DTYPE, NonFiniteError, Policy
+from roundalign.sync import Exporter, UpdateTracker
+from roundalign.tasks.arithmetic import reward
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient stopped the run; the message names the step, the quantity and the checkpoint."""
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) fp32 values (0 in padding) and the (B, T) bool mask of real tokens."""
+    width = max(len(r) for r in rows)
+    values = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = r
+        mask[i, : len(r)] = True
+    return values, mask
+
+
+class Run:
+    """The state of one run: engine, policy, exporter, tracker, task, logbook."""
+
+    def __init__(self, config: TrainConfig, out: Path, console=None, tensorboard: bool = True):
+        from roundalign.models import path as model_path
+
+        self.config, self.out = config, out
+        self.model_dir = Path(config.model) if config.model else model_path("tiny-qwen3")
+        self.policy = Policy(self.model_dir, config)
+        self.engine = Engine(self.model_dir, config.engine_profile, config.engine_backend, dtype=DTYPE[config.dtype])
+        if self.engine.tokenizer is None:
+            raise ValueError(f"{str(self.model_dir)!r} has no tokenizer files; train needs one to build prompts")
+        self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype])
+        self.tracker = UpdateTracker(lag_window=config.lag_window, seed=config.seed)
+        self.task = Task(config.level, config.seed, config.eval_problems)
+        self.correction = config.correction()
+        self.console = console
+        self.tensorboard = tensorboard
+
+    # ----------------------------------------------------------------------------------------------------------
+
+    def sync(self) -> dict:
+        master = self.policy.master_state()
+        served = self.exporter.export(master)
+        self.engine.load_weights(served)
+        self.policy.set_compute_weights(served if self.config.resolved_loss_on_served else None)
+        self.served = served
+        return self.tracker.update(master, served)
+
+    def evaluate(self) -> float:
+        prompts = [self.task.prompt(p) for p in self.task.eval_set]
+        outs = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.config.max_tokens))
+        return sum(reward(o.text, p) for o, p in zip(outs, self.task.eval_set, strict=True)) / len(outs)
+
+    def step(self, step: int) -> dict:
+        c, m = self.config, {}
+        t0 = time.perf_counter()
+        problems = self.task.train_batch(step, c.prompts_per_step)
+        batch = [p for p in problems for _ in range(c.group_size)]  # groups are consecutive
+        params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens,
+                                seed=sampling_seed(c.seed, step), logprobs_mode="processed")
+        outs = self.engine.generate([self.task.prompt(p) for p in batch], params)
+        rewards = torch.tensor([reward(o.text, p) for o, p in zip(outs, batch, strict=True)])
+        lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float64)
+        m["reward/mean"], m["reward/std"] = float(rewards.mean()), float(rewards.std())
+        m["accuracy/train"] = float((rewards == 1).double().mean())
+        m["response_length/mean"], m["response_length/max"] = float(lengths.mean()), float(lengths.max())
+        m["response_length/clip_ratio"] = sum(o.finish_reason == "length" for o in outs) / len(outs)
+        t1 = time.perf_counter()
+
+        old, entropy = zip(*(self.policy.logprobs(o.prompt_token_ids, o.token_ids) for o in outs), strict=True)
+        bad = sum(int((~torch.isfinite(x)).sum()) for x in old)
+        if bad:
+            raise NonFiniteError(f"step {step}: the trainer's recomputed log-probs are non-finite at {bad} tokens")
+        sampler = [torch.tensor(o.logprobs, dtype=torch.float32) for o in outs]
+        m |= mismatch_metrics(list(old), sampler)
+        m["actor/entropy"] = float(torch.cat(entropy).double().mean())
+        old_pad, mask = _pad(list(old))
+        weights, is_metrics = is_weights(old_pad, _pad(sampler)[0], mask, self.correction)
+        m |= is_metrics
+        t2 = time.perf_counter()
+
+        m |= self._update(step, outs, old_pad, mask, weights, group_advantages(rewards, c.group_size))
+        t3 = time.perf_counter()
+        m |= self.sync()
+        t4 = time.perf_counter()
+        m |= {"timing_s/rollout": t1 - t0, "timing_s/recompute": t2 - t1, "timing_s/update": t3 - t2,
+              "timing_s/sync": t4 - t3, "timing_s/step": t4 - t0}
+        return m
+
+    def _update(self, step, outs, old_pad, mask, weights, advantages) -> dict:
+        c, policy = self.config, self.policy
+        trained = [i for i in range(len(outs)) if advantages[i] != 0]
+        n_tokens = int(mask[trained].sum()) if trained else 0
+        totals = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        policy.zero_grad()
+        for _ in range(c.inner_epochs):
+            for i in trained:
+                o, n = outs[i], len(outs[i].token_ids)
+                logp = policy.logprobs_with_grad(o.prompt_token_ids, o.token_ids)
+                bad = int((~torch.isfinite(logp)).sum())
+                if bad:
+                    raise NonFiniteError(f"step {step}: the loss is non-finite: the trainer's log-probs are non-finite "
+                                         f"at {bad} of {n} completion tokens of sequence {i}")
+                result = policy_loss(logp[None], old_pad[i : i + 1, :n], advantages[i : i + 1], mask[i : i + 1, :n],
+                                     loss_type=c.loss_type, clip_eps=c.resolved_clip_eps,
+                                     clip_eps_high=c.clip_eps_high, is_weights=weights[i : i + 1, :n],
+                                     normalizer=n_tokens * c.inner_epochs)
+                policy.backward(result.loss, step)
+                totals["actor/pg_loss"] += float(result.loss.detach())
+                for k in ("actor/pg_clipfrac", "actor/ppo_kl"):  # token means: weight each sequence by its tokens
+                    totals[k] += result.stats[k] * n / (n_tokens * c.inner_epochs)
+        out = {k: (v if trained else None) for k, v in totals.items()}
+        out["actor/trained_sequence_frac"] = len(trained) / len(outs)
+        return out | policy.step(step)
+
+    # ----------------------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"policy": self.policy.state_dict(), "exporter": self.exporter.state_dict(),
+                "tracker": self.tracker.state_dict()}
+
+    def restore(self) -> int:
+        master, served, state = checkpoint.load_latest(self.out)
+        self.policy.load_state_dict(master, state["policy"])
+        self.exporter.load_state_dict(state["exporter"])
+        self.tracker.load_state_dict(state["tracker"])
+        served = {k: v.to(DTYPE[self.config.dtype]) for k, v in served.items()}
+        self.engine.load_weights(served)
+        self.policy.set_compute_weights(served if self.config.resolved_loss_on_served else None)
+        self.served = served
+        return int(state["step"])
+
+    def save(self, step: int) -> Path:
+        return checkpoint.save(self.out, step, self.policy.master_state(), self.served, self.state())
+
+
+def train(config: TrainConfig, out: Path, *, resume: bool = False, console=None, progress: bool = True,
+          tensorboard: bool = True) -> Path:
+    """Run (or resume) a training run into ``out``; returns ``out``. See the module docstring."""
+    out = Path(out)
+    metrics_path = out / "metrics.jsonl"
+    if not resume and metrics_path.exists():
+        raise ValueError(f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} "
+                         "or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
+    run = Run(config, out, console, tensorboard)
+    if resume:
+        start = run.restore()
+        if start >= config.steps:
+            raise ValueError(f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} "
+                             "to continue it")
+        checkpoint.truncate_metrics(metrics_path, start)
+    else:
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        start = 0
+        run.sync()  # step 0: the first export (exact for a 16-bit checkpoint) initialises the tracker
+    book = Logbook(out, tensorboard, console)
+    bar = Progress(config.steps, start, console, progress)
+    try:
+        if start == 0:
+            t = time.perf_counter()
+            book.write(0, {"eval/accuracy": run.evaluate(), "timing_s/eval": time.perf_counter() - t})
+        for step in range(start + 1, config.steps + 1):
+            try:
+                metrics = run.step(step)
+            except NonFiniteError as exc:
+                kept = checkpoint.list_checkpoints(out)
+                where = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was saved before it"
+                raise TrainingDiverged(f"{exc}; the run stops here and {where}") from None
+            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                t = time.perf_counter()
+                metrics["eval/accuracy"] = run.evaluate()
+                metrics["timing_s/eval"] = time.perf_counter() - t
+            book.write(step, metrics)
+            bar.update(metrics)
+            if step == config.steps or (config.save_every and step % config.save_every == 0):
+                run.save(step)
+    finally:
+        bar.close()
+        book.close()
+    return out

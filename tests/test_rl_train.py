@@ -1,0 +1,171 @@
+"""``roundalign train`` end to end on the shipped model: the smoke run, bitwise resume, divergence, bad options.
+
+Runs are tiny (2 problems x 4 completions a step) so that the file stays fast on two cores; the numerics are the
+full ones (fp32 master, bf16 compute copy under a profile, the reference engine, every export mode).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from roundalign.cli import main
+from roundalign.rl import checkpoint
+from roundalign.rl.config import TrainConfig
+from roundalign.rl.loop import TrainingDiverged, train
+from roundalign.rl.policy import Policy
+
+SMALL = dict(prompts_per_step=2, group_size=4, max_tokens=48, eval_problems=8, eval_every=2, lr=1e-4)
+
+
+def _rows(out) -> list[dict]:
+    return checkpoint.read_metrics(out / "metrics.jsonl")
+
+
+def _no_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("timing_s/")}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Bitwise comparisons between two runs need the same thread count in both; one thread is also fastest here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_smoke_run_writes_every_metric(tmp_path):
+    out = train(TrainConfig(steps=3, sync="stochastic", rollout_is="token-tis", **SMALL).validate(), tmp_path / "run",
+                progress=False, tensorboard=True)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert set(rows[0]) == {"step", "eval/accuracy", "timing_s/eval"}
+    for r in rows[1:]:
+        for key in ("reward/mean", "reward/std", "accuracy/train", "response_length/mean", "actor/entropy",
+                    "actor/grad_norm", "rollout_corr/k3_kl", "mismatch/bitwise_equal_frac",
+                    "rollout_corr/rollout_is_mean", "rollout_corr/raw_is_std", "sync/visible_fraction",
+                    "sync/relative_drift", "sync/lag_steps", "timing_s/rollout", "timing_s/recompute",
+                    "timing_s/update", "timing_s/sync", "timing_s/step"):
+            assert key in r, key
+        assert 0 <= r["reward/mean"] <= 1 and r["actor/grad_norm"] > 0
+        assert r["rollout_corr/k3_kl"] >= 0
+        total = sum(r[f"timing_s/{p}"] for p in ("rollout", "recompute", "update", "sync"))
+        assert math.isclose(total, r["timing_s/step"], rel_tol=1e-6)
+    assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3] and "eval/accuracy" not in rows[1]
+    assert json.loads((out / "config.json").read_text())["sync"] == "stochastic"
+    assert checkpoint.list_checkpoints(out)[-1].name == "step-000003"
+    # TensorBoard holds the same scalars under the same names
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert logged == [(r["step"], pytest.approx(r["reward/mean"], rel=1e-6)) for r in rows[1:]]  # stored as fp32
+
+
+def test_master_moves_and_engine_serves_the_export(tmp_path):
+    """After a run, the engine holds exactly the exporter's last output, and the compute copy follows the rule."""
+    from roundalign.rl.loop import Run
+
+    config = TrainConfig(steps=1, sync="error-feedback", **SMALL).validate()
+    run = Run(config, tmp_path)
+    before = {k: v.clone() for k, v in run.policy.master_state().items()}
+    run.sync()
+    run.step(1)
+    master = run.policy.master_state()
+    assert any(not torch.equal(before[k], master[k]) for k in master)
+    served_engine = run.engine.weights.state_dict()
+    for name, served in run.served.items():
+        assert torch.equal(served_engine[name], served)
+        # --loss-on-served is on by default for error-feedback: the trainer computes on the served copy itself
+        assert torch.equal(dict(run.policy.model.named_parameters())[name].detach(), served)
+
+
+def test_resume_continues_bitwise(tmp_path):
+    base = dict(sync="stochastic", rollout_is="seq-mask", save_every=2, **SMALL)
+    straight = train(TrainConfig(steps=4, **base).validate(), tmp_path / "straight", progress=False,
+                     tensorboard=False)
+    part = train(TrainConfig(steps=2, **base).validate(), tmp_path / "part", progress=False, tensorboard=False)
+    assert main(["train", "--resume", str(part), "--steps", "4", "--quiet", "--no-tensorboard"]) == 0
+    a, b = _rows(straight), _rows(part)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert [_no_timing(r) for r in a] == [_no_timing(r) for r in b]  # every metric, compared as exact floats
+    ma, _, _ = checkpoint.load_latest(straight)
+    mb, _, _ = checkpoint.load_latest(part)
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_resume_rejects_changed_settings_and_finished_runs(tmp_path, capsys):
+    out = train(TrainConfig(steps=1, **SMALL).validate(), tmp_path / "r", progress=False, tensorboard=False)
+    assert main(["train", "--resume", str(out), "--sync", "stochastic"]) == 2
+    assert "--sync 'stochastic' (the run has 'rne')" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "already at step 1 of 1" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--out", str(out), "--steps", "2"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_non_finite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """From step 3 on, the trainer's log-probs turn NaN (zero_grad runs once per step: it counts the steps)."""
+    real, real_zero = Policy.logprobs_with_grad, Policy.zero_grad
+
+    def poisoned(self, prompt, completion):
+        logp = real(self, prompt, completion)
+        return logp * float("nan") if self._step_for_test >= 3 else logp
+
+    def zero_grad(self):
+        self._step_for_test = getattr(self, "_step_for_test", 0) + 1
+        return real_zero(self)
+
+    monkeypatch.setattr(Policy, "logprobs_with_grad", poisoned)
+
+    monkeypatch.setattr(Policy, "zero_grad", zero_grad)
+    out = tmp_path / "div"
+    argv = ["train", "--out", str(out), "--steps", "5", "--save-every", "2", "--quiet", "--no-tensorboard",
+            "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "48", "--eval-problems", "8",
+            "--lr", "1e-4"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "step 3: the loss is non-finite" in err and "step-000002" in err
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000002"]
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2]
+
+
+def test_non_finite_gradient_names_the_tensor(tmp_path, monkeypatch):
+    real = Policy.backward
+
+    def backward(self, loss, step):
+        real(self, loss, step)
+        self.master["model.layers.1.mlp.up_proj.weight"].grad[0, 0] = float("inf")
+
+    monkeypatch.setattr(Policy, "backward", backward)
+    with pytest.raises(TrainingDiverged, match=r"step 1: the gradient of model\.layers\.1\.mlp\.up_proj\.weight has "
+                       r"non-finite values .*no checkpoint was saved"):
+        train(TrainConfig(steps=2, **SMALL).validate(), tmp_path / "g", progress=False, tensorboard=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sync", "rne", "--loss-on-served"], "loss_on_served with sync=rne changes nothing"),
+        (["--loss-type", "reinforce", "--inner-epochs", "2"], "plain REINFORCE has no ratio"),
+        (["--loss-type", "reinforce", "--clip-eps", "0.3"], "plain REINFORCE does not clip"),
+        (["--group-size", "1"], "group_size must be an int >= 2"),
+        (["--temperature", "0"], "greedy rollouts make every completion of a group identical"),
+        (["--rollout-is", "none", "--rollout-is-threshold", "2"], "none"),
+        (["--rollout-is", "token-mask", "--rollout-is-threshold", "2_1"], "token-mask"),
+        (["--trainer-profile", "nope"], "trainer_profile"),
+        (["--dtype", "float16", "--engine-backend", "inductor"], "kernels backend"),
+        (["--optimizer", "sgd", "--betas", "0.8,0.9"], "betas apply to adamw only"),
+    ],
+)
+def test_invalid_combinations_are_rejected_before_any_work(tmp_path, capsys, argv, message):
+    out = tmp_path / "bad"
+    assert main(["train", "--out", str(out), "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # rejected before anything was loaded or written
