@@ -19,7 +19,8 @@ to an argparse subparser, and a function that runs it and returns the exit statu
 (``probe``, ``train``, ``fit``, ``fingerprint``) means writing those two functions and registering them with
 ``@command(...)``; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
 error (argparse's own errors and unknown profile names alike), 3 a training run that diverged (a non-finite loss
-or gradient; the message names the step, the quantity and the last good checkpoint).
+or gradient; the message names the step, the quantity and the last good checkpoint), 4 a ``compare`` grid in which
+some runs failed (the others still ran, and the summary and plots cover them).
 
 The tables need ``rich`` (the ``[cli]`` extra); ``--json`` works without it.
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from roundalign.rl.compare import Run, group_runs
+from roundalign.rl.compare_summary import Run, group_runs
 
 
 @dataclass(frozen=True)
