@@ -45,7 +45,7 @@ class ExportState:
     """The per-tensor state of one exported tensor (what its next export depends on besides the master)."""
 
     generator: torch.Generator | None = None  # stochastic: the seeded CPU generator this tensor's noise comes from
-    residual: torch.Tensor | None = None  # error-feedback: fp32, the master's part not yet served
+    residual: torch.Tensor | None = None  # error-feedback: fp32, the master's part not yet served (updated in place)
 
     @classmethod
     def seeded(cls, seed: int) -> ExportState:
@@ -165,15 +165,17 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
             )
         if residual.device != master.device:
             raise ValueError(f"ExportState.residual is on {residual.device} but the master is on {master.device}")
-    v = master if residual is None else master + residual  # fp32: the one rounding, fl32(master + residual)
+    # In place in the state's residual buffer (the state owns it): one fp32 tensor the size of the master, not three.
+    # fp32 addition is commutative, so residual + master is fl32(master + residual), the one rounding of the law.
+    v = master.clone() if residual is None else residual.add_(master)
     served = v.to(dtype)  # RNE
-    back = served.float()
-    # v - served is exact in fp32 (Sterbenz: served is within half a target ulp of v). Where served is not finite
-    # (overflow, inf/nan master) no finite residual can carry the difference: restart that weight from zero.
-    residual = v - back
-    if not _all_finite(back):
-        residual = torch.where(torch.isfinite(back), residual, torch.zeros_like(residual))
-    state.residual = residual
+    # v - served is exact in fp32 (Sterbenz: served is within half a target ulp of v); the bf16/fp16 operand is
+    # promoted exactly. Where served is not finite (overflow, inf/nan master) no finite residual can carry the
+    # difference: restart that weight from zero.
+    v.sub_(served)
+    if not _all_finite(served):
+        v.masked_fill_(~torch.isfinite(served), 0.0)
+    state.residual = v
     return served
 
 
