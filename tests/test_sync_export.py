@@ -215,12 +215,14 @@ def test_exporter_state_dict_round_trip_continues_bitwise(mode, dtype):
         exporter.export(m)
     buffer = io.BytesIO()
     torch.save(exporter.state_dict(), buffer)  # through a real checkpoint file format
+    in_memory = exporter.state_dict()  # kept as is while the exporter moves on: must be a copy, not a view
     tail = [exporter.export(m) for m in masters[3:]]
-    resumed = Exporter(mode, seed=7, dtype=dtype)
     buffer.seek(0)
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert all(_same(x, resumed.export(m)) for x, m in zip(tail, masters[3:], strict=True))
-    assert resumed.steps == exporter.steps == 5
+    for state in (torch.load(buffer, weights_only=True), in_memory):
+        resumed = Exporter(mode, seed=7, dtype=dtype)
+        resumed.load_state_dict(state)
+        assert all(_same(x, resumed.export(m)) for x, m in zip(tail, masters[3:], strict=True))
+        assert resumed.steps == exporter.steps == 5
 
 
 def test_exporter_same_seed_same_bits_any_dict_order():

@@ -178,11 +178,13 @@ def test_tracker_state_dict_round_trip_continues_bitwise():
         tracker.update(m, s)
     buffer = io.BytesIO()
     torch.save(tracker.state_dict(), buffer)
+    in_memory = tracker.state_dict()  # must not alias the tracker's buffers, which the next calls overwrite
     tail = [tracker.update(m, s) for m, s in zip(masters[3:], served[3:], strict=True)]
     buffer.seek(0)
-    resumed = UpdateTracker(lag_window=4, sample_size=50, seed=1)
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert [resumed.update(m, s) for m, s in zip(masters[3:], served[3:], strict=True)] == tail
+    for state in (torch.load(buffer, weights_only=True), in_memory):
+        resumed = UpdateTracker(lag_window=4, sample_size=50, seed=1)
+        resumed.load_state_dict(state)
+        assert [resumed.update(m, s) for m, s in zip(masters[3:], served[3:], strict=True)] == tail
     with pytest.raises(ValueError, match="lag_window=4"):
         UpdateTracker(lag_window=5, sample_size=50, seed=1).load_state_dict(tracker.state_dict())
 
