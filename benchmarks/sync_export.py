@@ -1,0 +1,144 @@
+"""Cost of exporting an fp32 master to bf16 per mode (RNE, stochastic, error feedback), and of UpdateTracker.update.
+
+Two tensor sets, each as an fp32 master state_dict:
+
+- ``tiny``: the shipped tiny-qwen3 (``roundalign.models.path("tiny-qwen3")``, read with safetensors, upcast).
+- ``0.5b``: random fp32 tensors with Qwen2.5-0.5B's shapes (hidden 896, 24 layers, intermediate 4864, 14 heads,
+  2 kv heads, head_dim 64, vocab 151936, tied embeddings: about 494M parameters, 2 GB in fp32). Peak memory is
+  about 9 GB (master, served copy, EF residuals, the tracker's previous master and served copy).
+
+Each round exports the whole state_dict once per mode, interleaved (rne, stochastic, error-feedback, rne, ...) so
+that machine drift hits every mode alike; the first round is warm-up. Medians and ratios against RNE come from the
+same run. ``UpdateTracker.update`` is timed on the RNE export, after one untimed first call (which has no previous
+step to compare with).
+
+    .venv/bin/python benchmarks/sync_export.py                       # both sets, 3 timed rounds
+    .venv/bin/python benchmarks/sync_export.py --sets tiny --repeats 10 --json /tmp/sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from roundalign.sync import MODES, Exporter, UpdateTracker
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_master() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    import roundalign.models
+
+    weights = load_file(str(roundalign.models.path("tiny-qwen3") / "model.safetensors"))
+    return {name: t.float() for name, t in weights.items()}  # the fp32 master a trainer would hold
+
+
+def qwen25_05b_master(seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors with Qwen2.5-0.5B's HF names and shapes (tied embeddings: no lm_head.weight)."""
+    hidden, layers, inter, heads, kv_heads, head_dim, vocab = 896, 24, 4864, 14, 2, 64, 151936
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.q_proj.bias": (heads * head_dim,),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        }  # fmt: skip
+    shapes["model.norm.weight"] = (hidden,)
+    # Weights ~ N(0, 0.02^2) as at init; norms near 1. The values do not change the cost of any mode.
+    return {n: 1.0 + 0.1 * torch.randn(s, generator=g) if n.endswith("norm.weight")
+            else 0.02 * torch.randn(s, generator=g) for n, s in shapes.items()}  # fmt: skip
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+
+
+def bench_set(name: str, master: dict[str, torch.Tensor], args) -> dict:
+    numel = sum(t.numel() for t in master.values())
+    print(f"\n{name}: {len(master)} tensors, {numel / 1e6:.1f}M parameters ({numel * 4 / 2**30:.2f} GiB fp32)")
+    exporters = {mode: Exporter(mode, seed=args.seed, dtype=_DTYPES[args.dtype]) for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for round_ in range(args.repeats + 1):  # round 0 is warm-up
+        for mode in MODES:
+            start = time.perf_counter()
+            served = exporters[mode].export(master)
+            elapsed = time.perf_counter() - start
+            del served  # only one served copy alive at a time
+            if round_:
+                times[mode].append(elapsed)
+    tracker = UpdateTracker(lag_window=args.lag_window, sample_size=args.sample_size, seed=args.seed)
+    served = exporters["rne"].export(master)
+    tracker.update(master, served)  # first call: nothing to compare with yet
+    track = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        tracker.update(master, served)
+        track.append(time.perf_counter() - start)
+    del served, tracker, exporters
+    rne = statistics.median(times["rne"])
+    print(f"{'mode':<16}{'median s':>10}{'min s':>10}{'vs rne':>8}{'Mparam/s':>10}")
+    for mode in MODES:
+        med = statistics.median(times[mode])
+        print(f"{mode:<16}{med:>10.3f}{min(times[mode]):>10.3f}{med / rne:>7.1f}x{numel / med / 1e6:>10.0f}")
+    med = statistics.median(track)
+    print(f"{'tracker.update':<16}{med:>10.3f}{min(track):>10.3f}{med / rne:>7.1f}x{numel / med / 1e6:>10.0f}")
+    return {"parameters": numel, "tensors": len(master), "export_s": times, "tracker_update_s": track}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # what to time
+    p.add_argument("--sets", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="export dtype")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
+    # tracker settings
+    p.add_argument("--lag-window", type=int, default=256)
+    p.add_argument("--sample-size", type=int, default=65536)
+    # run
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", default=None, help="write raw timings and the machine here")
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine()
+    print(f"args: {vars(args)}")
+    print(f"machine: {info['cpu']}, {info['torch_threads']} torch threads, torch {info['torch']}, {info['date']}")
+    loaders = {"tiny": tiny_master, "0.5b": lambda: qwen25_05b_master(args.seed)}
+    results = {}
+    for name in args.sets.split(","):
+        if name not in loaders:
+            p.error(f"unknown set {name!r}; choose from {', '.join(loaders)}")
+        results[name] = bench_set(name, loaders[name](), args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
