@@ -14,7 +14,8 @@ engine received, and returns (all tensors together; every key always present, ``
 - ``sync/lag_saturated``: 1.0 when that ``k`` is the oldest master kept and the window is full (the true lag may be
   larger), else 0.0.
 
-Sums run in float64 over exact float64 copies of the fp32 / bf16 values, so differences are exact. Memory: the
+Sums run in float64 over float64 copies of the fp32 / bf16 values, so the differences are exact (see below for
+the one exception, fp32 values 2^29 apart). Memory: the
 tracker keeps the previous call's master (fp32) and served copy, plus a ``lag_window x sample_size`` fp32 ring of
 sampled masters (64 MiB at the defaults). docs/sync.md explains each definition and what to expect under each mode.
 """
@@ -129,21 +130,31 @@ class UpdateTracker:
         first = self.calls == 0
         changed = total = 0
         dot = step_sq = drift_sq = master_sq = 0.0
+        # Two float64 scratch rows reused for every chunk: the passes below allocate nothing model-sized.
+        width = min(_CHUNK, max(torch.Size(shape).numel() for shape in self._shapes.values()))
+        scratch: dict[torch.device, torch.Tensor] = {}
         for name in self._shapes:
             m, s = master[name].detach(), served[name].detach()
             total += m.numel()
-            if not first:
-                view = _INT_VIEW[s.element_size()]
-                pm, ps = self._prev_master[name], self._prev_served[name]
-                for mc, sc, pmc, psc in _chunks(m, s, pm, ps):
-                    changed += int((sc.view(view) != psc.view(view)).sum())
-                    dm = mc.double() - pmc.double()  # exact: fp32 and bf16/fp16 values are float64-representable
-                    dot += float((sc.double() - psc.double()).mul_(dm).sum())
-                    step_sq += float(dm.square().sum())
-            for mc, sc in _chunks(m, s):
-                m64 = mc.double()
-                drift_sq += float((sc.double() - m64).square().sum())
-                master_sq += float(m64.square().sum())
+            if m.device not in scratch:
+                scratch[m.device] = torch.empty(2, width, dtype=torch.float64, device=m.device)
+            prev = () if first else (self._prev_master[name], self._prev_served[name])
+            view = _INT_VIEW[s.element_size()]
+            for mc, sc, *pc in _chunks(m, s, *prev):
+                a, b = scratch[m.device][0, : mc.numel()], scratch[m.device][1, : mc.numel()]
+                a.copy_(mc)  # m in float64
+                master_sq += float(torch.dot(a, a))
+                b.copy_(sc).sub_(a)  # s - m, exact (s is within a few ulps of m for any export of it)
+                drift_sq += float(torch.dot(b, b))
+                if pc:
+                    pmc, psc = pc
+                    changed += int(torch.count_nonzero(sc.view(view) != psc.view(view)))
+                    # Differences of fp32 values in float64: exact unless they are more than 2^29 apart in
+                    # magnitude (then rounded at 2^-53 relative, far below what these ratios resolve).
+                    a.sub_(pmc)  # m_t - m_{t-1}
+                    b.copy_(sc).sub_(psc)  # s_t - s_{t-1}, exact
+                    dot += float(torch.dot(b, a))
+                    step_sq += float(torch.dot(a, a))
         lag, saturated = self._lag(master, served)
         # Into the previous call's buffers when there are some: no 1.5x-model-size allocation churn per call.
         for prev, current in ((self._prev_master, master), (self._prev_served, served)):
