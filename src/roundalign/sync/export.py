@@ -129,24 +129,29 @@ def _bernoulli_dyadic(y: torch.Tensor, generator: torch.Generator) -> torch.Tens
 
 def _stochastic_fp16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on |x| in fp32
-    # bits: drop d low bits, d = 13 in fp16's normal range and 13 + (-14 - e) below it (e = |x|'s binary exponent),
-    # by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16. d stays <= 23 for |x| >= 2^-24. Below
-    # that the neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
+    # bits: drop d low bits by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16, with d = 13 in
+    # fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and d = 13 + (-14 - e) below it
+    # (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the neighbours are 0 and 2^-24
+    # and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
     flat = master.reshape(-1)
     mag = flat.abs()
     bits = mag.view(torch.int32)
-    # d = 13 + max(0, -14 - e) with e = (bits >> 23) - 127, i.e. max(13, 126 - (bits >> 23)); capped at 23 so the
-    # shift stays in range (the capped values, tiny or zero, are redrawn or stay 0 below).
-    drop = (126 - (bits >> 23)).clamp_(13, 23)
-    low_mask = torch.ones_like(drop).bitwise_left_shift_(drop).sub_(1)  # 2^d - 1
-    noise = _uniform_bits(flat.numel(), 23, generator, master.device).bitwise_and_(low_mask)  # uniform in [0, 2^d)
-    # |x| + noise, low d bits cleared: on fp16's grid; 2^16 and above becomes inf in the final cast.
-    rounded = noise.add_(bits).bitwise_and_(low_mask.bitwise_not_()).view(torch.float32)
-    small = (bits < 0x33800000).nonzero().squeeze(1)  # |x| < 2^-24 (bit patterns of non-negative floats sort)
+    noise = _uniform_bits(flat.numel(), 13, generator, master.device)
+    rounded = noise.add_(bits).bitwise_and_(-8192).view(torch.float32)  # the normal range: every element, in place
+    # |x| < 2^-14 (bit patterns of non-negative floats sort as ints): redone on their own; few elements in a model.
+    small = (bits < 0x38800000).nonzero().squeeze(1)
     if small.numel():
-        index = small[bits[small] > 0]
-        up = _bernoulli_dyadic(mag[index] * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
-        rounded[index] = torch.where(up, 2.0**-24, 0.0)
+        small_bits = bits[small]
+        # d = 13 + (-14 - e) with e = (bits >> 23) - 127; capped at 23 to keep the shift in range (the capped ones,
+        # tiny or zero, are redrawn below or stay 0).
+        drop = (126 - (small_bits >> 23)).clamp_(max=23)
+        low_mask = (torch.ones_like(drop) << drop) - 1
+        small_noise = _uniform_bits(small.numel(), 23, generator, master.device) & low_mask  # uniform in [0, 2^d)
+        rounded[small] = ((small_bits + small_noise) & ~low_mask).view(torch.float32)
+        tiny = small[(small_bits > 0) & (small_bits < 0x33800000)]  # 0 < |x| < 2^-24
+        if tiny.numel():
+            up = _bernoulli_dyadic(mag[tiny] * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
+            rounded[tiny] = torch.where(up, 2.0**-24, 0.0)
     rounded = torch.copysign(rounded, flat)  # sign back (also -0 for a negative value that rounds to 0)
     if not _all_finite(flat):
         rounded = torch.where(torch.isfinite(flat), rounded, flat)
