@@ -164,8 +164,8 @@ def test_sample_is_independent_of_dict_order_and_clamped():
     masters = [{"a": torch.randn(4000, generator=g), "b": torch.randn(60, 100, generator=g)} for _ in range(6)]
     reordered = [dict(reversed(list(m.items()))) for m in masters]
     for size in (100, 10**9):  # a sparse sample (drawn without a full randperm), and one clamped to all elements
-        assert run("rne", masters, lag_window=4, sample_size=size) == run("rne", reordered, lag_window=4,
-                                                                         sample_size=size)
+        in_order = run("rne", masters, lag_window=4, sample_size=size)
+        assert run("rne", reordered, lag_window=4, sample_size=size) == in_order
 
 
 def test_tracker_state_dict_round_trip_continues_bitwise():

@@ -267,11 +267,8 @@ class Exporter:
         extra = sorted(set(master) - set(self._shapes))
         reshaped = sorted(n for n in master if n in self._shapes and tuple(master[n].shape) != self._shapes[n])
         if missing or extra or reshaped:
-            def few(names):
-                return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-
-            parts = [f"missing {few(missing)}"] * bool(missing) + [f"new {few(extra)}"] * bool(extra)
-            parts += [f"reshaped {few(reshaped)}"] * bool(reshaped)
+            parts = [f"missing {_few(missing)}"] * bool(missing) + [f"new {_few(extra)}"] * bool(extra)
+            parts += [f"reshaped {_few(reshaped)}"] * bool(reshaped)
             raise ValueError(
                 f"Exporter.export got a different set of tensors than its first call ({'; '.join(parts)}): every "
                 "step must export the same names and shapes, or error feedback would lose residuals (and stochastic "
@@ -323,6 +320,10 @@ class Exporter:
                 st.residual = residual.detach().clone()
             states[name] = st
         self._shapes, self._states, self.steps = shapes, states, int(state["steps"])
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
