@@ -159,3 +159,24 @@ def test_processed_logprobs_renormalize_over_the_kept_tokens(engine):
     plain = engine.generate(prompts, SamplingParams(max_tokens=5, seed=0, logprobs_mode="processed"))
     ref = engine.generate(prompts, SamplingParams(max_tokens=5, seed=0))
     assert [o.logprobs for o in plain] == [o.logprobs for o in ref]
+
+
+def test_score_at_a_temperature_matches_processed_sampling_and_the_formula(engine):
+    """score(temperature=T): decode mode replays generate's processed log-probs at T (top-p 1) bitwise; prefill mode
+    is log_softmax(logits / T) of the prefill's own logits, checked against the T = 1 scores: log_softmax(z / T) is
+    computed here from z recovered up to a per-row constant (z = logp_1 + logsumexp), in float64."""
+    prompts = sequences(engine.vocab_size, lengths=(6, 11, 9), seed=8)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.7, max_tokens=6, seed=2, logprobs_mode="processed"))
+    completions = [o.token_ids for o in outs]
+    decode = engine.score(prompts, completions, mode="decode", temperature=0.7)
+    for out, lp in zip(outs, decode, strict=True):
+        assert_bitwise_equal(lp, torch.tensor(out.logprobs))
+    warm = engine.score(prompts, completions, mode="prefill", temperature=0.7)
+    cold = engine.score(prompts, completions, mode="prefill")
+    assert all((w != c).any() for w, c in zip(warm, cold, strict=True))
+    for p, c, w in zip(prompts, completions, warm, strict=True):
+        logits = engine._prefill_logprobs(p + c)[len(p) - 1 : -1].double()  # log_softmax(z): z up to a row constant
+        ref = (logits / 0.7).log_softmax(-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        assert (w.double() - ref).abs().max() < 1e-5  # fp32 vs float64 evaluation of the same formula
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        engine.score(prompts, completions, temperature=0)

@@ -187,3 +187,18 @@ def test_compare_runs_two_real_train_runs_and_plots_them(tmp_path):
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert "overview.png" in pngs and len(pngs) >= 8
     assert all((out / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_prefill_check_is_exactly_zero_for_the_aligned_trainer_and_not_for_hf(tmp_path):
+    """--prefill-check: the aligned trainer equals the engine's prefill bit for bit (k3 0, all tokens equal), at
+    temperature != 1 too; the stock HF trainer does not. Independent of the decode-vs-prefill attention gap."""
+    rows = {}
+    for profile in ("aligned", "hf"):
+        config = TrainConfig(steps=2, engine_profile="sglang", trainer_profile=profile, sync="stochastic",
+                             temperature=0.9, prefill_check=True, **SMALL).validate()
+        rows[profile] = _rows(train(config, tmp_path / profile, progress=False, tensorboard=False))[1:]
+    for r in rows["aligned"]:
+        assert r["prefill/k3_kl"] == 0.0 and r["prefill/bitwise_equal_frac"] == 1.0
+        assert r["mismatch/bitwise_equal_frac"] < 1.0  # the decode-time log-probs still differ (attention shapes)
+    for r in rows["hf"]:
+        assert r["prefill/k3_kl"] > 0 and r["prefill/bitwise_equal_frac"] < 1.0

@@ -13,6 +13,7 @@ compare their log-probs with ``roundalign probe --engine-logprobs dump.jsonl`` (
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,8 +176,10 @@ class Engine:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outs
 
-    def score(self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=()) -> list[torch.Tensor]:
-        """Raw (full-vocabulary, temperature 1) fp32 log-probs of each completion token, one 1-D tensor each.
+    def score(self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=(),
+              temperature: float = 1.0) -> list[torch.Tensor]:
+        """Raw (full-vocabulary) fp32 log-probs of each completion token, one 1-D tensor each, at ``temperature``
+        (``log_softmax(logits.float() / temperature)``, as a trainer computes them; 1.0 divides by nothing).
 
         ``mode="prefill"``: each sequence alone, one forward over prompt + completion (positions 0..n-1), the rows
         ``n_prompt - 1 .. n - 2`` of its log-softmax: the shapes a trainer uses. ``mode="decode"``: a replay of
@@ -196,14 +199,18 @@ class Engine:
                 raise ValueError(f"prompt {i} + completion is {len(p) + len(c)} tokens, more than max_model_len "
                                  f"{self.max_model_len}")
         shaped = self._check_shaped(prefill_shaped, mode)
+        t = temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
         if mode == "prefill":
-            return [self._prefill_logprobs(p + c)[len(p) - 1 : -1].gather(1, torch.tensor(c)[:, None])[:, 0]
-                    for p, c in zip(prompts, completions, strict=True)]
+            return [self._prefill_logprobs(p + c, temperature=t)[len(p) - 1 : -1]
+                    .gather(1, torch.tensor(c)[:, None])[:, 0] for p, c in zip(prompts, completions, strict=True)]
         out: list[list[float]] = [[] for _ in prompts]
 
         def choose(active, logits):
             tokens = [completions[seq][len(out[seq])] for seq in active]
-            lps = token_logprobs(logits, logits, torch.tensor(tokens), "raw")  # as generate computes them
+            scaled = logits if t == 1 else logits / t  # as generate's processed log-probs at top-p 1
+            lps = token_logprobs(scaled, scaled, torch.tensor(tokens), "raw")  # as generate computes them
             picks = []
             for seq, tok, lp in zip(active, tokens, lps.tolist(), strict=True):
                 out[seq].append(lp)
@@ -214,12 +221,13 @@ class Engine:
         self._rollout(prompts, [len(c) for c in completions], choose, shapes if shaped else None)
         return [torch.tensor(lps, dtype=torch.float32) for lps in out]  # fp32 -> float -> fp32 is exact
 
-    def _prefill_logprobs(self, ids: list[int], capture: bool = False):
+    def _prefill_logprobs(self, ids: list[int], capture: bool = False, temperature: float = 1.0):
         cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec, self.dtype)
         step = Step.prefill([len(ids)], cache, self._spec)
         with torch.no_grad():
             hidden, captured = self._forward(torch.tensor(ids), step, capture)
-            lps = self._logits(hidden, step, list(step.groups())).float().log_softmax(dim=-1)
+            logits = self._logits(hidden, step, list(step.groups())).float()
+            lps = (logits if temperature == 1 else logits / temperature).log_softmax(dim=-1)
         return (lps, captured) if capture else lps
 
     def hidden_states(self, token_ids) -> list[torch.Tensor]:

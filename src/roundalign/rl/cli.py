@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-tokens", type=int, help=f"max completion tokens (default {d.max_tokens})")
     a("--temperature", type=float, help=f"sampling temperature (default {d.temperature})")
     a("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
+    a("--prefill-check", action="store_true", help="also log the trainer's mismatch against the engine's prefill "
+      "re-score of the same tokens (prefill/*): the rounding-location gap without decode's attention shapes")
     a("--level", type=int, choices=(1, 2, 3), help=f"arithmetic level of the training problems (default {d.level})")
     g = parser.add_argument_group("trainer")
     a = g.add_argument

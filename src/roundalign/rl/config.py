@@ -54,6 +54,7 @@ class TrainConfig:
     loss_scale_growth_interval: int = 400  # fp16 only: steps without overflow before the scale doubles (verl's)
     sync: str = "rne"
     loss_on_served: bool | None = None  # None: on for stochastic / error-feedback, off for rne
+    prefill_check: bool = False  # also compare the trainer with the engine's own prefill re-score, every step
     eval_every: int = 10
     eval_problems: int = 64
     lag_window: int = 256

@@ -41,6 +41,10 @@ from roundalign.rl.policy import DTYPE, NonFiniteError, Policy
 from roundalign.sync import Exporter, UpdateTracker
 from roundalign.tasks.arithmetic import reward
 
+# The prefill check logs these mismatch metrics, renamed prefill/<name>.
+PREFILL_KEYS = ("rollout_corr/k3_kl", "mismatch/log_ratio_rms", "mismatch/bitwise_equal_frac",
+                "mismatch/log_ratio_max_abs")
+
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient stopped the run; the message names the step, the quantity and the checkpoint."""
@@ -117,6 +121,8 @@ class Run:
         old_pad, mask = _pad(list(old))
         weights, is_metrics = is_weights(old_pad, _pad(sampler)[0], mask, self.correction)
         m |= is_metrics
+        if c.prefill_check:
+            m |= self._prefill_check(outs, list(old))
         t2 = time.perf_counter()
 
         m |= self._update(step, outs, old_pad, mask, weights, group_advantages(rewards, c.group_size))
@@ -126,6 +132,15 @@ class Run:
         m |= {"timing_s/rollout": t1 - t0, "timing_s/recompute": t2 - t1, "timing_s/update": t3 - t2,
               "timing_s/sync": t4 - t3, "timing_s/step": t4 - t0}
         return m
+
+    def _prefill_check(self, outs, old: list[torch.Tensor]) -> dict:
+        """The trainer's recompute against the engine's own prefill re-score of the same tokens (raw log-probs at
+        the step's temperature): what is left of the mismatch when decode's attention shapes are taken out, i.e.
+        the rounding-location gap alone. 0 and 1.0 exactly when the trainer rounds where the engine does."""
+        scored = self.engine.score([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], mode="prefill",
+                                   temperature=self.config.temperature)
+        full = mismatch_metrics(old, scored)
+        return {f"prefill/{k.split('/', 1)[1]}": full[k] for k in PREFILL_KEYS}
 
     def _update(self, step, outs, old_pad, mask, weights, advantages) -> dict:
         c, policy = self.config, self.policy
