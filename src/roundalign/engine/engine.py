@@ -240,11 +240,12 @@ class Engine:
             raise ValueError(f"{len(ids)} tokens, more than max_model_len {self.max_model_len}")
         return self._prefill_logprobs(ids, capture=True)[1]
 
-    def load_weights(self, state_dict: dict, rounding: str = "rne") -> None:
+    def load_weights(self, state_dict: dict, rounding: str = "rne", seed: int = 0) -> None:
         """Replace the served copy from HF-named tensors (fp32 master, bf16 or fp16), rounding to the engine's dtype
-        per ``rounding``; a weight that overflows the dtype (fp16: beyond 65504) is a ValueError. In place: a compiled
-        graph keeps running without a recompile."""
-        self.weights.load(state_dict, rounding)
+        per ``rounding`` (``"rne"``, or ``"stochastic"`` / ``"error-feedback"`` on fp32 masters, with state kept by
+        the engine per (rounding, seed): docs/sync.md); a weight that overflows the dtype (fp16: beyond 65504) is a
+        ValueError. In place: a compiled graph keeps running without a recompile."""
+        self.weights.load(state_dict, rounding, seed)
 
     # ----------------------------------------------------------------------------------------------------------
     # input checks

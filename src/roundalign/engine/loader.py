@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from roundalign.sync import MODES as EXPORT_MODES
+from roundalign.sync import Exporter
+
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama")
-ROUNDINGS = ("rne",)  # the RL weight-sync issue adds the others
+ROUNDINGS = EXPORT_MODES  # how load_weights rounds fp32 masters: roundalign.sync's export modes
 DTYPES = (torch.bfloat16, torch.float16)
 _JSONL_HINT = (
     "For other models, sample with vLLM or SGLang and compare their log-probs with "
@@ -152,6 +155,7 @@ class ServedWeights(nn.Module):
         super().__init__()
         check_config(config)
         self.dtype = check_dtype(dtype)
+        self._exporters: dict[tuple[str, int], Exporter] = {}  # load(rounding="stochastic" / "error-feedback")
         family = config.model_type
         bias = bool(getattr(config, "attention_bias", False))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -166,9 +170,14 @@ class ServedWeights(nn.Module):
         return dict(self.state_dict(keep_vars=True))
 
     @torch.no_grad()
-    def load(self, state_dict: dict, rounding: str = "rne") -> None:
+    def load(self, state_dict: dict, rounding: str = "rne", seed: int = 0) -> None:
         """Copy HF-named tensors (fp32, bf16 or fp16) into the served copy, rounding to the served dtype per
-        ``rounding``, in place. A finite weight that would become inf in the served dtype (fp16) is an error."""
+        ``rounding``, in place. A finite weight that would become inf in the served dtype (fp16) is an error.
+
+        ``rounding`` is one of ``roundalign.sync.MODES``. ``"rne"`` is the plain cast. ``"stochastic"`` and
+        ``"error-feedback"`` need fp32 masters and round with one ``roundalign.sync.Exporter`` per (mode, seed),
+        kept across calls (its generators and residuals are this served copy's state): the engine-side Fair Cast,
+        for frameworks that hand the engine fp32 tensors and let it cast them."""
         if rounding not in ROUNDINGS:
             raise ValueError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
         if not isinstance(state_dict, dict):
@@ -198,9 +207,14 @@ class ServedWeights(nn.Module):
                 raise ValueError("tie_word_embeddings is set but 'lm_head.weight' differs from "
                                  "'model.embed_tokens.weight'; pass one of them, or untie the config")
         served = {}
+        if rounding != "rne":
+            exporter = self._exporters.get((rounding, seed))
+            if exporter is None:
+                exporter = self._exporters[(rounding, seed)] = Exporter(rounding, seed=seed, dtype=self.dtype)
+            exported = exporter.export({n: t.detach().cpu() for n, t in state_dict.items()})
         for name, src in state_dict.items():
             # RNE: torch's fp32 -> bf16/fp16 cast rounds to nearest, ties to even.
-            served[name] = src.detach().to(device="cpu", dtype=self.dtype)
+            served[name] = exported[name] if rounding != "rne" else src.detach().to(device="cpu", dtype=self.dtype)
             _check_overflow(name, src, served[name])
         for name, value in served.items():
             expected[name].copy_(value)  # in place: compiled graphs read these tensors
