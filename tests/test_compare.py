@@ -362,3 +362,25 @@ def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monke
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="--grid is required"):
         compare.run(_cli_args("--out", str(out)), console=None)
+
+
+def test_prefill_check_metrics_get_a_column_and_a_plot_only_when_logged(tmp_path):
+    from roundalign.rl.compare_plots import PANELS, plot
+
+    out = tmp_path / "grid"
+    _synthetic_grid(out)
+    runs = load_runs(out)
+    assert "prefill k3_kl" not in summarize(runs, out).read_text()
+    # the same grid, now with one run that logged --prefill-check metrics (0 and 1.0 for an aligned trainer)
+    path = out / "trainer-aligned_seed-0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows[1:]:
+        r |= {"prefill/k3_kl": 0.0, "prefill/bitwise_equal_frac": 1.0}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = load_runs(out)
+    summarize(runs, out)
+    table = {row["configuration"]: row for row in json.loads((out / "summary.json").read_text())["configurations"]}
+    assert table["trainer=aligned"]["metrics"]["prefill/bitwise_equal_frac"]["mean"] == 1.0
+    assert table["trainer=hf"]["metrics"]["prefill/k3_kl"]["mean"] is None  # not logged by those runs
+    names = [p.name for p in plot(runs, out, smooth=1)]
+    assert names == [f"{p.file}.png" for p in PANELS] + ["prefill_k3_kl.png", "overview.png"]

@@ -94,6 +94,7 @@ def test_resume_continues_bitwise(tmp_path):
     assert main(["train", "--resume", str(part), "--steps", "4", "--quiet", "--no-tensorboard"]) == 0
     a, b = _rows(straight), _rows(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert json.loads((part / "config.json").read_text())["steps"] == 4  # the run is now a 4-step run
     assert [_no_timing(r) for r in a] == [_no_timing(r) for r in b]  # every metric, compared as exact floats
     ma, _, _ = checkpoint.load_latest(straight)
     mb, _, _ = checkpoint.load_latest(part)

@@ -50,6 +50,11 @@ PANELS = (
     Panel("sync/lag_steps", "lag_steps", "Served-weight lag", "steps since the master the served copy is nearest"),
     Panel("sync/relative_drift", "relative_drift", "Served-weight drift", "‖served − master‖ / ‖master‖ (relative)"),
 )
+# Logged only by runs with --prefill-check; plotted when some run has it.
+OPTIONAL_PANELS = (
+    Panel("prefill/k3_kl", "prefill_k3_kl", "Trainer vs the engine's own prefill: K3 KL (rounding locations alone)",
+          "K3 KL estimate (nats per token)", log=True),
+)
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
@@ -168,8 +173,10 @@ def plot(runs: list[Run], out: Path, smooth: int = 5) -> list[Path]:
     folder = Path(out) / "plots"
     folder.mkdir(parents=True, exist_ok=True)
     style = styles(runs)
+    logged = {k for r in runs for row in r.metrics for k in row}
+    panels = PANELS + tuple(p for p in OPTIONAL_PANELS if p.key in logged)
     paths = []
-    for panel in PANELS:
+    for panel in panels:
         fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
         draw(ax, runs, panel, smooth, style)
         note = _smoothing_note(smooth if panel.smooth else 1)
@@ -178,9 +185,13 @@ def plot(runs: list[Run], out: Path, smooth: int = 5) -> list[Path]:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         paths.append(_save(plt, fig, folder / f"{panel.file}.png"))
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), layout="constrained")
-    for ax, panel in zip(axes.flat, PANELS, strict=True):
+    rows = 2 if len(panels) <= 8 else 3
+    cols = math.ceil(len(panels) / rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4.25 * rows), layout="constrained")
+    for ax, panel in zip(list(axes.flat)[: len(panels)], panels, strict=True):
         draw(ax, runs, panel, smooth, style)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     handles, labels = _legend_entries(axes)
     fig.suptitle(f"roundalign compare: mean across seeds, band min..max; {_smoothing_note(smooth)} "
                  "(eval accuracy unsmoothed)", fontsize=12)

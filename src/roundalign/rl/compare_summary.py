@@ -134,6 +134,16 @@ def _fmt(stat: dict, seeds: int) -> str:
     return text + ("" if stat["n"] == seeds else f" ({stat['n']} of {seeds} seeds)")
 
 
+# Logged only by runs with --prefill-check: in the table when some run of the grid has them.
+OPTIONAL_SUMMARY_METRICS = (("prefill/k3_kl", "prefill k3_kl"), ("prefill/bitwise_equal_frac", "prefill bitwise equal"))
+
+
+def summary_metrics(runs: list[Run]) -> tuple[tuple[str, str], ...]:
+    """SUMMARY_METRICS, plus each optional metric that at least one run logged."""
+    logged = {k for r in runs for row in r.metrics for k in row}
+    return SUMMARY_METRICS + tuple(m for m in OPTIONAL_SUMMARY_METRICS if m[0] in logged)
+
+
 def summarize(runs: list[Run], out: Path) -> Path:
     """Write out/summary.md (a table, one row per configuration) and out/summary.json; return the .md path."""
     if not runs:
@@ -141,13 +151,14 @@ def summarize(runs: list[Run], out: Path) -> Path:
     out = Path(out)
     grid_file = out / "grid.json"
     grid = json.loads(grid_file.read_text()) if grid_file.is_file() else {}
+    metrics = summary_metrics(runs)
     rows = []
     for label, group in group_runs(runs).items():
         last = sorted({r.train_steps[-1]["step"] if r.train_steps else 0 for r in group})
         rows.append({
             "configuration": label, "settings": group[0].settings, "runs": [r.name for r in group],
             "seeds": [r.seed for r in group], "steps": last[0] if len(last) == 1 else last,
-            "metrics": {k: across_seeds([tail_mean(r, k) for r in group]) for k, _ in SUMMARY_METRICS},
+            "metrics": {k: across_seeds([tail_mean(r, k) for r in group]) for k, _ in metrics},
             "k3_kl_first_step": across_seeds([first_step(r, "rollout_corr/k3_kl") for r in group]),
         })
     how = (f"Each metric is averaged over the last {TAIL:.0%} of a run's training steps (rounded up; null steps left "
@@ -162,13 +173,13 @@ def summarize(runs: list[Run], out: Path) -> Path:
             lines += ["", f"Not in the table (not run, or failed before logging a step): {', '.join(missing)}."]
         lines += [""]
     lines += [how, ""]
-    header = ["configuration", "seeds", "steps", *(h for _, h in SUMMARY_METRICS), "k3_kl@1"]
+    header = ["configuration", "seeds", "steps", *(h for _, h in metrics), "k3_kl@1"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         n = len(row["seeds"])
         steps = row["steps"] if isinstance(row["steps"], int) else f"{row['steps'][0]}–{row['steps'][-1]}"
         cells = [row["configuration"], ",".join(str(s) for s in row["seeds"]), str(steps),
-                 *(_fmt(row["metrics"][k], n) for k, _ in SUMMARY_METRICS), _fmt(row["k3_kl_first_step"], n)]
+                 *(_fmt(row["metrics"][k], n) for k, _ in metrics), _fmt(row["k3_kl_first_step"], n)]
         lines.append("| " + " | ".join(cells) + " |")
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")

@@ -206,6 +206,8 @@ def train(config: TrainConfig, out: Path, *, resume: bool = False, console=None,
             raise ValueError(f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} "
                              "to continue it")
         checkpoint.truncate_metrics(metrics_path, start)
+        # --steps / --save-every may change on resume: config.json says what the run now is
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     else:
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         start = 0
