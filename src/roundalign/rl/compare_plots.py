@@ -52,7 +52,7 @@ PANELS = (
 )
 # Logged only by runs with --prefill-check; plotted when some run has it.
 OPTIONAL_PANELS = (
-    Panel("prefill/k3_kl", "prefill_k3_kl", "Trainer vs the engine's own prefill: K3 KL (rounding locations alone)",
+    Panel("prefill/k3_kl", "prefill_k3_kl", "K3 KL vs the engine's prefill (rounding only)",
           "K3 KL estimate (nats per token)", log=True),
 )
 LINE_STYLES = ("-", "--", ":", "-.")
