@@ -55,6 +55,8 @@ def test_smoke_run_writes_every_metric(tmp_path):
         # a step where every group got equal rewards trains nothing: all advantages are 0, so is the gradient
         assert (r["actor/grad_norm"] > 0) == (r["actor/trained_sequence_frac"] > 0)
         assert r["rollout_corr/k3_kl"] >= 0
+        # one inner epoch: the update's forward (with grad) is the recompute's bit for bit, so the PPO ratio is 1
+        assert r["actor/ppo_kl"] in (None, 0.0) and r["actor/pg_clipfrac"] in (None, 0.0)
         total = sum(r[f"timing_s/{p}"] for p in ("rollout", "recompute", "update", "sync"))
         assert math.isclose(total, r["timing_s/step"], rel_tol=1e-6)
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4, 5]  # every 2 steps, and the last
@@ -203,3 +205,27 @@ def test_prefill_check_is_exactly_zero_for_the_aligned_trainer_and_not_for_hf(tm
         assert r["mismatch/bitwise_equal_frac"] < 1.0  # the decode-time log-probs still differ (attention shapes)
     for r in rows["hf"]:
         assert r["prefill/k3_kl"] > 0 and r["prefill/bitwise_equal_frac"] < 1.0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(dtype="float16", sync="stochastic"), dict(loss_type="reinforce", optimizer="sgd", lr=1e-2),
+     dict(inner_epochs=2, clip_eps=0.1, rollout_is="geo-mask", rollout_is_threshold="0.9_1.1")],
+    ids=["float16", "reinforce-sgd", "ppo-2-epochs-geo-mask"],
+)
+def test_other_numerics_and_objectives_train(tmp_path, settings):
+    from roundalign.rl.loop import Run
+
+    config = TrainConfig(**{**SMALL, "steps": 1, "prompts_per_step": 4, **settings}).validate()
+    run = Run(config, tmp_path)
+    before = {k: v.clone() for k, v in run.policy.master_state().items()}
+    run.sync()
+    m = run.step(1)
+    assert m["actor/trained_sequence_frac"] > 0 and m["actor/grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in run.policy.master_state().items())  # the master moved
+    dtype = torch.float16 if settings.get("dtype") == "float16" else torch.bfloat16
+    assert run.engine.dtype == dtype and {p.dtype for p in run.policy.model.parameters()} == {dtype}
+    if dtype == torch.float16:
+        assert m["actor/loss_scale"] == 2.0**16 and m["actor/skipped_step"] == 0.0
+    if config.inner_epochs == 2:  # the second pass sees moved weights: the ratio leaves 1
+        assert m["actor/ppo_kl"] != 0.0

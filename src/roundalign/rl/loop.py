@@ -10,7 +10,8 @@ One step, with the timing key each phase is logged under:
    ``old_log_prob``), one unpadded sequence per forward. Trainer-vs-sampler mismatch metrics (the probe's, with
    verl's and TRL's names) and the importance-sampling weights come from these and the sampler's log-probs.
 3. ``timing_s/update``: ``inner_epochs`` passes of the objective (rl/objective.py) over the batch, one sequence per
-   micro-batch, gradients summed in fp32 into the master; then clipping and the optimizer step on the fp32 master.
+   micro-batch, gradients summed in fp32 into the master; each pass ends with clipping and an optimizer step on the
+   fp32 master, and the next pass computes on the refreshed compute copy.
    Sequences whose advantage is 0 (every completion of their group got the same reward) add exactly nothing to the
    gradient, so they are skipped; ``actor/*`` statistics cover the sequences that were trained on.
 4. ``timing_s/sync``: the master is exported to the engine (``roundalign.sync``, ``--sync``), the trainer's compute
@@ -143,12 +144,20 @@ class Run:
         return {f"prefill/{k.split('/', 1)[1]}": full[k] for k in PREFILL_KEYS}
 
     def _update(self, step, outs, old_pad, mask, weights, advantages) -> dict:
+        """``inner_epochs`` passes over the batch, each ending with an optimizer step (verl's ``ppo_epochs`` with
+        one mini-batch per epoch). Between passes the compute copy is refreshed by the step's rule (the RNE cast,
+        or an export with the run's exporter under ``--loss-on-served``); the engine is synced once, after the last.
+        Statistics are means over the passes."""
         c, policy = self.config, self.policy
         trained = [i for i in range(len(outs)) if advantages[i] != 0]
         n_tokens = int(mask[trained].sum()) if trained else 0
         totals = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
-        policy.zero_grad()
-        for _ in range(c.inner_epochs):
+        updates: list[dict] = []
+        for epoch in range(c.inner_epochs):
+            if epoch:
+                served = self.exporter.export(policy.master_state()) if c.resolved_loss_on_served else None
+                policy.set_compute_weights(served)
+            policy.zero_grad()
             for i in trained:
                 o, n = outs[i], len(outs[i].token_ids)
                 logp = policy.logprobs_with_grad(o.prompt_token_ids, o.token_ids)
@@ -159,14 +168,15 @@ class Run:
                 result = policy_loss(logp[None], old_pad[i : i + 1, :n], advantages[i : i + 1], mask[i : i + 1, :n],
                                      loss_type=c.loss_type, clip_eps=c.resolved_clip_eps,
                                      clip_eps_high=c.clip_eps_high, is_weights=weights[i : i + 1, :n],
-                                     normalizer=n_tokens * c.inner_epochs)
+                                     normalizer=n_tokens)
                 policy.backward(result.loss, step)
-                totals["actor/pg_loss"] += float(result.loss.detach())
+                totals["actor/pg_loss"] += float(result.loss.detach()) / c.inner_epochs
                 for k in ("actor/pg_clipfrac", "actor/ppo_kl"):  # token means: weight each sequence by its tokens
                     totals[k] += result.stats[k] * n / (n_tokens * c.inner_epochs)
+            updates.append(policy.step(step))
         out = {k: (v if trained else None) for k, v in totals.items()}
         out["actor/trained_sequence_frac"] = len(trained) / len(outs)
-        return out | policy.step(step)
+        return out | {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
 
     # ----------------------------------------------------------------------------------------------------------
 
