@@ -229,3 +229,15 @@ def test_other_numerics_and_objectives_train(tmp_path, settings):
         assert m["actor/loss_scale"] == 2.0**16 and m["actor/skipped_step"] == 0.0
     if config.inner_epochs == 2:  # the second pass sees moved weights: the ratio leaves 1
         assert m["actor/ppo_kl"] != 0.0
+
+
+def test_cli_prints_a_summary_of_the_run(tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["train", "--out", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-tokens", "48", "--eval-problems", "8", "--no-tensorboard"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    rows = _rows(out)
+    assert f"run {out}: 2 steps" in text
+    assert f"reward                             {(rows[1]['reward/mean'] + rows[2]['reward/mean']) / 2:.3f}" in text
+    assert f"{rows[0]['eval/accuracy']:.3f} at step 0 -> {rows[2]['eval/accuracy']:.3f} at step 2" in text

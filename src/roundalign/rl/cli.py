@@ -132,4 +132,32 @@ def run(args: argparse.Namespace, console) -> int:
     config, out, resume = config_from_args(args)
     train(config, out, resume=resume, console=console, progress=not getattr(args, "quiet", False),
           tensorboard=not getattr(args, "no_tensorboard", False))
+    if not getattr(args, "quiet", False):
+        _report(out, console)
     return 0
+
+
+# (metric, label, format) shown at the end of a run, averaged over its last 10 steps
+_REPORT = (("reward/mean", "reward", ".3f"), ("rollout_corr/k3_kl", "k3_kl (trainer vs sampler)", ".2e"),
+           ("mismatch/bitwise_equal_frac", "log-probs bitwise equal", ".1%"),
+           ("sync/visible_fraction", "served weights changed per step", ".1%"),
+           ("sync/lag_steps", "served-copy lag (steps)", ".1f"), ("timing_s/step", "seconds per step", ".2f"))
+
+
+def _report(out: Path, console) -> None:
+    """A short summary of the finished run: the last 10 steps' averages, the first and last evaluation, the files."""
+    from roundalign.rl.checkpoint import read_metrics
+
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if r["step"] > 0][-10:]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    lines = [f"run {out}: {rows[-1]['step']} steps; last {len(steps)} steps on average:"]
+    for key, label, spec in _REPORT:
+        values = [r[key] for r in steps if r.get(key) is not None]
+        if values:
+            lines.append(f"  {label:<34} {format(sum(values) / len(values), spec)}")
+    if evals:
+        lines.append(f"  {'held-out accuracy (greedy)':<34} {evals[0][1]:.3f} at step {evals[0][0]} -> "
+                     f"{evals[-1][1]:.3f} at step {evals[-1][0]}")
+    lines.append(f"metrics: {out / 'metrics.jsonl'}; checkpoints: {out / 'checkpoints'} (docs/train.md)")
+    console.print("\n".join(lines), markup=False, highlight=False)
