@@ -1,4 +1,4 @@
-# roundalign: make test | make demo (roundalign probe) | make lint
+# roundalign: make test | make demo (roundalign probe) | make lint | make bench
 #
 # Every target that runs code first makes .venv (python3 -m venv) and installs into it, once:
 #   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
@@ -16,7 +16,7 @@ PY    := $(VENV)/bin/python
 PIP   := $(PY) -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint format-check clean-venv
+.PHONY: install test demo lint format-check clean-venv bench
 
 install: $(STAMP)
 
@@ -35,6 +35,15 @@ test: $(STAMP)
 # two backends. Writes probe-out/report.json and three plots.
 demo: $(STAMP)
 	$(VENV)/bin/roundalign probe --out probe-out
+
+# The benchmark suite (issue 6): per-op and model-level cost of alignment against stock HF, as ratios measured in
+# the same run. Writes the tables into docs/benchmarks.md and the raw JSON into docs/benchmarks/. About 15 minutes
+# on a 2-core CPU; run it on an idle machine.
+bench: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PY) benchmarks/ops.py --json "$$tmp/ops.json" && \
+	$(PY) benchmarks/model_step.py --json "$$tmp/model.json" && \
+	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --out docs/benchmarks.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

@@ -1,0 +1,270 @@
+"""Model-level cost of alignment: one full training step (forward, backward, AdamW) against stock HF, same run.
+
+The per-op suite (benchmarks/ops.py) says what each rounding point costs in isolation; this one says what a
+trainer pays for a whole step. Two models:
+
+- ``tiny-qwen3``: the shipped model (hidden 256, 4 layers), a batch of 8 x 128 random token ids;
+- ``qwen3-0.6b-2l``: Qwen3-0.6B's shape (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 128, the real
+  vocab of 151936, tied embeddings as in the real model) cut to 2 layers, random init from a config, bf16.
+
+Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all three
+start from the same weights). Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over the
+model's forward, loss included since HF computes it there; AOTAutograd compiles the backward; the AdamW step stays
+eager). Each round runs one step of every variant in turn (interleaved, so machine drift hits all alike); round 1
+is warm-up (and compilation); the table gives medians and ratios to the stock row of the same case and mode.
+
+After the timed rounds, one more step per variant measures memory (never timed):
+- ``saved_bytes``: activation bytes saved for backward over the whole forward, from
+  ``torch.autograd.graph.saved_tensors_hooks``, each distinct storage once, parameters left out (they are the same
+  for every variant; ``saved_param_bytes`` has them);
+- ``peak_bytes``: the peak of the running sum of the allocator events that ``torch.profiler`` records with
+  ``profile_memory=True`` over forward + backward, relative to the memory held when the step starts. The AdamW
+  step is left out of it because it is the same for every variant and, on a small model, its foreach temporaries
+  are the step's peak and would hide the activations; ``step_peak_bytes`` is the peak of the whole step with it.
+
+    .venv/bin/python benchmarks/model_step.py --quick                # tiny shapes, 2 rounds: a smoke run
+    .venv/bin/python benchmarks/model_step.py --json model.json      # the full suite (~7 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+import roundalign
+
+VARIANTS = ("stock", "aligned", "vllm")  # stock first: the others' ratios divide by it
+MODES = ("eager", "compiled")
+PASS = "train step"
+# (model, batch, seq, modes, rounds). Sized for the ~7 minute share of `make bench` on 2 cores, where one eager
+# step of the 0.6B shape takes ~6 s at 512 tokens: fewer rounds there, and seq 1024 runs eager only (its compiled
+# case would add ~2.5 min). docs/benchmarks.md says what was cut.
+FULL_CASES = (
+    ("tiny-qwen3", 8, 128, MODES, 6),
+    ("qwen3-0.6b-2l", 1, 512, MODES, 4),
+    ("qwen3-0.6b-2l", 1, 1024, ("eager",), 3),
+)
+QUICK_CASES = (("tiny-qwen3", 2, 32, MODES, 2),)
+
+
+def machine_info() -> dict:
+    """The header both suites print: CPU model, logical CPUs, torch threads, versions, date."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def build_model(name: str) -> transformers.PreTrainedModel:
+    """The stock bf16 model for ``name``; call after seeding, so that random init is reproducible."""
+    if name == "tiny-qwen3":
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            roundalign.models.path("tiny-qwen3"), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    if name == "qwen3-0.6b-2l":
+        config = transformers.Qwen3Config(
+            hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+            max_position_embeddings=40960, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )  # fmt: skip
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    raise ValueError(f"unknown benchmark model {name!r}; choose tiny-qwen3 or qwen3-0.6b-2l")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def measure_saved(fn: Callable[[], object], exclude: set[int] = frozenset()) -> tuple[object, int, int]:
+    """Run ``fn`` with a saved-tensors hook; return (its result, saved bytes, saved bytes in ``exclude``).
+
+    Each distinct storage counts once, at its full size (a view keeps its whole storage alive). Storages whose
+    ``storage_key`` is in ``exclude`` (the parameters) are summed apart.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    excluded = sum(n for k, n in seen.items() if k in exclude)
+    return out, sum(seen.values()) - excluded, excluded
+
+
+def measure_peak(fn: Callable[[], object]) -> tuple[object, int, int]:
+    """Run ``fn`` under ``torch.profiler`` with ``profile_memory=True``; return (its result, peak, net bytes).
+
+    The peak is the maximum of the running sum of the allocation events (frees are negative), in time order,
+    starting from zero: memory allocated beyond what was held when ``fn`` started. ``net`` is the sum at the end
+    (what ``fn`` left allocated), so that a later call's peak can be put on the same baseline.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return out, peak, running
+
+
+class Trainer:
+    """One variant: a model, its AdamW and the batch; ``step`` is the measured unit."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor):
+        self.model, self.ids = model.train(), ids
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.param_keys = {storage_key(p) for p in model.parameters()}
+
+    def forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.ids, labels=self.ids).loss
+
+    def step(self) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward()
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def forward_backward_saved(self) -> tuple[int, int]:
+        loss, saved, saved_params = measure_saved(self.forward, self.param_keys)
+        loss.backward()
+        return saved, saved_params
+
+    def measured_step(self) -> dict[str, int]:
+        """Saved activation and parameter bytes, the forward+backward peak and the whole step's peak, in bytes."""
+        self.opt.zero_grad(set_to_none=True)
+        (saved, saved_params), peak, net = measure_peak(self.forward_backward_saved)
+        _, opt_peak, _ = measure_peak(self.opt.step)
+        return {"saved_bytes": saved, "saved_param_bytes": saved_params, "peak_bytes": peak,
+                "step_peak_bytes": max(peak, net + opt_peak)}  # fmt: skip
+
+
+def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int) -> list[dict]:
+    """Rows for one (model, shape, mode): every variant, interleaved over ``rounds`` (the first is warm-up)."""
+    torch.manual_seed(seed)
+    base = build_model(name)
+    ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    trainers = {}
+    for variant in VARIANTS:
+        model = base if variant == "stock" else roundalign.apply(copy.deepcopy(base), variant)
+        if mode == "compiled":
+            model.compile()
+        trainers[variant] = Trainer(model, ids)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for variant, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.step()
+            times[variant].append(time.perf_counter() - start)
+    memory = {v: t.measured_step() for v, t in trainers.items()}  # after timing: the profiler slows a step
+
+    rows = []
+    for variant in VARIANTS:
+        median = statistics.median(times[variant][1:])
+        rows.append({
+            "name": name, "variant": variant, "mode": mode, "pass": PASS, "shape": f"{batch}x{seq}",
+            "time_ms": median * 1e3, "times_ms": [t * 1e3 for t in times[variant]], **memory[variant],
+            "compile_s": max(0.0, times[variant][0] - median) if mode == "compiled" else None,
+        })  # fmt: skip
+    stock = rows[0]
+    for row in rows:
+        row["time_ratio"] = row["time_ms"] / stock["time_ms"]
+        row["saved_ratio"] = row["saved_bytes"] / stock["saved_bytes"]
+        row["peak_ratio"] = row["peak_bytes"] / stock["peak_bytes"]
+    del trainers, base
+    gc.collect()
+    torch._dynamo.reset()  # each case compiles afresh: no recompile limit, no shapes marked dynamic by a prior case
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'model':<15}{'shape':>9} {'mode':<9}{'variant':<9}{'time ms':>10}{'x stock':>9}"
+            f"{'saved MiB':>11}{'x stock':>9}{'peak MiB':>10}{'x stock':>9}{'compile s':>11}")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        comp = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
+        lines.append(
+            f"{r['name']:<15}{r['shape']:>9} {r['mode']:<9}{r['variant']:<9}{r['time_ms']:>10.1f}"
+            f"{r['time_ratio']:>8.3f}x{r['saved_bytes'] / 2**20:>11.1f}{r['saved_ratio']:>8.3f}x"
+            f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_ratio']:>8.3f}x{comp:>11}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny-qwen3 at 2 x 32 tokens, 2 rounds: a smoke run")
+    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default: 6 for tiny-qwen3, "
+                    "4 or 3 for the 0.6B shape, 2 with --quick)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager,compiled")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="write {suite, machine, results} here")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        ap.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}; got {args.modes!r}")
+    rounds = args.rounds
+    if rounds is not None and rounds < 2:
+        ap.error(f"--rounds must be at least 2 (round 1 is warm-up), got {rounds}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+
+    machine = machine_info()
+    print(f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {machine['torch_threads']} torch "
+          f"threads, torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}")
+    print(f"{PASS}: forward + backward + AdamW; round 1 warm-up; medians; ratios to stock in the same run")
+    rows = []
+    for name, batch, seq, case_modes, case_rounds in QUICK_CASES if args.quick else FULL_CASES:
+        for mode in case_modes:
+            if mode in modes:
+                rows.extend(run_case(name, batch, seq, mode, rounds or case_rounds, args.seed))
+    print(format_table(rows))
+    result = {"suite": "model", "machine": machine, "results": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

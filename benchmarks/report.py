@@ -1,0 +1,141 @@
+"""Fill docs/benchmarks.md from the two suites' JSON, with every ratio next to its target and misses marked.
+
+    .venv/bin/python benchmarks/report.py --ops ops.json --model model.json --out docs/benchmarks.md
+
+Reads ``{"suite": "ops"|"model", "machine": {...}, "results": [row, ...]}`` (benchmarks/ops.py,
+benchmarks/model_step.py), replaces the text between ``<!-- bench:ops -->`` / ``<!-- /bench:ops -->`` and
+``<!-- bench:model -->`` / ``<!-- /bench:model -->`` in ``--out``, and keeps the raw JSON beside the page
+(docs/benchmarks/ops.json and model.json for docs/benchmarks.md). Either suite may be left out; its table stays.
+
+Targets (issue 6): time at most 1.05x stock in eager mode; compiled, the aligned model no slower than compiled
+stock (1.00x); saved-for-backward and peak memory at most 1.00x stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TIME_TARGET = {"eager": 1.05, "compiled": 1.00}
+MEMORY_TARGET = 1.00
+REQUIRED = ("name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_ratio", "peak_ratio")
+
+
+def load(path: str | Path, suite: str) -> dict:
+    """Read one suite's JSON and check what the tables need, naming what is wrong."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("suite") != suite:
+        got = data.get("suite") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: expected a {suite!r} suite JSON (key 'suite'), got {got!r}; pass benchmarks/"
+                         f"{'ops' if suite == 'ops' else 'model_step'}.py --json output as --{suite}")
+    for i, row in enumerate(data.get("results", [])):
+        missing = [k for k in REQUIRED if k not in row]
+        if missing:
+            raise ValueError(f"{path}: results[{i}] lacks {', '.join(missing)}; rerun the suite to regenerate it")
+        if row["mode"] not in TIME_TARGET:
+            raise ValueError(f"{path}: results[{i}] has mode {row['mode']!r}; expected eager or compiled")
+    if not data.get("results"):
+        raise ValueError(f"{path}: no results; was the suite run with a mode or case filter that matched nothing?")
+    return data
+
+
+def _ratio(ratio: float | None, target: float, is_stock: bool) -> tuple[str, bool]:
+    """A table cell 'ratio (<= target)', and whether it misses."""
+    if ratio is None:
+        return "-", False
+    if is_stock:
+        return f"{ratio:.3f} (ref)", False
+    miss = ratio > target
+    return f"{ratio:.3f} (≤ {target:.2f})" + (" **miss**" if miss else ""), miss
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def machine_line(machine: dict) -> str:
+    m = machine
+    return (f"Machine: {m.get('cpu', '?')}, {m.get('logical_cpus', '?')} logical CPUs, {m.get('torch_threads', '?')} "
+            f"torch threads, torch {m.get('torch', '?')}, {m.get('date', '?')}.")  # fmt: skip
+
+
+def table(rows: list[dict]) -> tuple[list[str], int, int]:
+    """Markdown lines for ``rows``, the number of misses and of ratios checked against a target."""
+    with_model = any("model" in r for r in rows)
+    head = (["model"] if with_model else []) + [
+        "shape", "pass", "mode", "variant", "time ms", "time × stock", "saved MiB", "saved × stock", "peak MiB",
+        "peak × stock", "compile s",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses = checked = 0
+    for r in rows:
+        stock = r["variant"] == "stock"
+        cells = []
+        for ratio, target in ((r["time_ratio"], TIME_TARGET[r["mode"]]), (r["saved_ratio"], MEMORY_TARGET),
+                              (r["peak_ratio"], MEMORY_TARGET)):  # fmt: skip
+            text, miss = _ratio(ratio, target, stock)
+            cells.append(text)
+            misses += miss
+            checked += ratio is not None and not stock
+        compile_s = r.get("compile_s")
+        row = ([str(r.get("model", ""))] if with_model else []) + [
+            r["shape"], r["pass"], r["mode"], r["variant"], f"{r['time_ms']:.2f}", cells[0],
+            _mib(r.get("saved_bytes")), cells[1], _mib(r.get("peak_bytes")), cells[2],
+            "-" if compile_s is None else f"{compile_s:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return lines, misses, checked
+
+
+def section(data: dict) -> str:
+    """The generated block for one suite: machine line, a table per name (op or model), a miss count."""
+    rows = data["results"]
+    names = list(dict.fromkeys(r["name"] for r in rows))  # first-seen order, as the suite ran them
+    out = [machine_line(data.get("machine", {})), ""]
+    total_misses = total_checked = 0
+    for name in names:
+        lines, misses, checked = table([r for r in rows if r["name"] == name])
+        total_misses += misses
+        total_checked += checked
+        out += [f"#### {name}", "", *lines, ""]
+    out.append(f"Targets missed: {total_misses} of {total_checked} ratios checked.")
+    return "\n".join(out)
+
+
+def fill(page: str, suite: str, block: str) -> str:
+    """Replace what lies between the suite's markers in ``page`` with ``block``."""
+    start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
+    i, j = page.find(start), page.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"the page lacks the markers {start} ... {end} (in that order); add them where the "
+                         f"{suite} table should go")
+    return page[: i + len(start)] + "\n" + block + "\n" + page[j:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", metavar="JSON", help="benchmarks/ops.py --json output")
+    ap.add_argument("--model", metavar="JSON", help="benchmarks/model_step.py --json output")
+    ap.add_argument("--out", default="docs/benchmarks.md", help="the page with the markers (default %(default)s)")
+    args = ap.parse_args(argv)
+    if not args.ops and not args.model:
+        ap.error("give --ops, --model or both")
+    out = Path(args.out)
+    if not out.is_file():
+        ap.error(f"--out {out} does not exist; it must be the page holding the bench markers")
+    page = out.read_text()
+    raw_dir = out.with_suffix("")  # docs/benchmarks.md -> docs/benchmarks/
+    for suite, path in (("ops", args.ops), ("model", args.model)):
+        if not path:
+            continue
+        data = load(path, suite)
+        page = fill(page, suite, section(data))
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
+    out.write_text(page)
+    print(f"wrote {out} and the raw JSON under {raw_dir}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Smoke and invariant tests for benchmarks/model_step.py and benchmarks/report.py. No timing assertions.
+
+The memory methods are checked against values known exactly from what a pass allocates or saves: RMSNorm under a
+round-once rule saves only x and the weight; a residual add saves nothing; two float32 buffers of 1 MiB elements
+peak at exactly 8 MiB.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from roundalign import ops
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", _BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+model_step = _load("model_step")
+report = _load("report")
+
+
+def _check_suite(result: dict, modes: set[str]) -> None:
+    assert result["suite"] == "model"
+    assert {"cpu", "logical_cpus", "torch_threads", "torch", "date"} <= set(result["machine"])
+    rows = result["results"]
+    assert {r["mode"] for r in rows} == modes
+    stock = {(r["name"], r["mode"], r["pass"], r["shape"]): r for r in rows if r["variant"] == "stock"}
+    for r in rows:
+        for key in report.REQUIRED + ("saved_bytes", "peak_bytes", "step_peak_bytes", "compile_s"):
+            assert key in r, key
+        assert r["pass"] == "train step"
+        s = stock[(r["name"], r["mode"], r["pass"], r["shape"])]  # every row has its stock row
+        assert r["time_ratio"] == r["time_ms"] / s["time_ms"]
+        assert r["saved_ratio"] == r["saved_bytes"] / s["saved_bytes"]
+        assert r["peak_ratio"] == r["peak_bytes"] / s["peak_bytes"]
+        assert r["saved_bytes"] > 0 and r["saved_param_bytes"] > 0 and r["peak_bytes"] > 0
+        assert r["step_peak_bytes"] >= r["peak_bytes"]
+        assert (r["compile_s"] is not None) == (r["mode"] == "compiled")
+    for r in stock.values():
+        assert r["time_ratio"] == r["saved_ratio"] == r["peak_ratio"] == 1.0
+    assert {r["variant"] for r in rows} == set(model_step.VARIANTS)
+
+
+def test_quick_eager_run_writes_a_consistent_json(tmp_path):
+    out = tmp_path / "model.json"
+    result = model_step.main(["--quick", "--modes", "eager", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    _check_suite(result, {"eager"})
+
+    # The report renders it: one table row per result row, between the model markers only.
+    page = tmp_path / "benchmarks.md"
+    page.write_text("intro\n<!-- bench:ops -->\nold ops\n<!-- /bench:ops -->\n<!-- bench:model -->\nold\n"
+                    "<!-- /bench:model -->\nend\n")  # fmt: skip
+    report.main(["--model", str(out), "--out", str(page)])
+    text = page.read_text()
+    assert "old ops" in text and "\nold\n" not in text and text.endswith("end\n")
+    assert sum(line.startswith("| 2x32 | train step | eager |") for line in text.splitlines()) == 3
+    assert json.loads((tmp_path / "benchmarks" / "model.json").read_text()) == result
+
+
+@pytest.mark.slow
+def test_quick_compiled_run(tmp_path):
+    _check_suite(model_step.main(["--quick", "--modes", "compiled"]), {"compiled"})
+
+
+def test_saved_bytes_of_rms_norm_round_once_are_x_and_weight():
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    for rule in ("round_before_weight", "round_after_weight"):
+        out, saved, excluded = model_step.measure_saved(lambda rule=rule: ops.rms_norm(x, w, 1e-6, rule))
+        assert (saved, excluded) == (4 * 8 * 64 * 2 + 64 * 2, 0)
+        _, saved, excluded = model_step.measure_saved(
+            lambda rule=rule: ops.rms_norm(x, w, 1e-6, rule), {model_step.storage_key(w)}
+        )
+        assert (saved, excluded) == (4 * 8 * 64 * 2, 64 * 2)
+        out.float().sum().backward()  # the saved tensors are the ones backward reads
+
+
+def test_saved_bytes_count_a_storage_once_and_a_residual_add_saves_nothing():
+    a = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    h = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    _, saved, _ = model_step.measure_saved(lambda: ops.residual_add(a, h, "normalize_rounded_sum"))
+    assert saved == 0
+    # a * a saves a twice (as self and other); a[0] * a[1] saves two views of one storage: both count it once.
+    _, saved, _ = model_step.measure_saved(lambda: (a * a, a[0] * a[1]))
+    assert saved == 3 * 5 * 2
+
+
+def test_peak_is_the_running_sum_of_allocations():
+    def two_buffers():
+        first = torch.empty(2**20, dtype=torch.float32)
+        second = torch.empty(2**20, dtype=torch.float32)
+        del first, second
+        third = torch.empty(2**19, dtype=torch.float32)
+        return third
+
+    third, peak, net = model_step.measure_peak(two_buffers)
+    assert peak == 8 * 2**20
+    assert net == third.untyped_storage().nbytes() == 2 * 2**20
+
+
+def test_report_marks_misses_against_each_target():
+    rows = [
+        {"name": "m", "variant": "stock", "mode": "compiled", "pass": "train step", "shape": "1x8", "time_ms": 10.0,
+         "time_ratio": 1.0, "saved_bytes": 100, "saved_ratio": 1.0, "peak_bytes": 200, "peak_ratio": 1.0},
+        {"name": "m", "variant": "aligned", "mode": "compiled", "pass": "train step", "shape": "1x8",
+         "time_ms": 10.4, "time_ratio": 1.04, "saved_bytes": 100, "saved_ratio": 1.0, "peak_bytes": 202,
+         "peak_ratio": 1.01},
+        {"name": "m", "variant": "aligned", "mode": "eager", "pass": "forward", "shape": "1x8", "time_ms": 10.4,
+         "time_ratio": 1.04, "saved_bytes": None, "saved_ratio": None, "peak_bytes": 200, "peak_ratio": 1.0},
+    ]  # fmt: skip
+    lines, misses, checked = report.table(rows)
+    assert (misses, checked) == (2, 5)  # compiled time 1.04 > 1.00 and peak 1.01 > 1.00; eager 1.04 <= 1.05
+    assert "1.040 (≤ 1.00) **miss**" in lines[3] and "1.040 (≤ 1.05) |" in lines[4]
+
+
+def test_report_names_what_is_wrong(tmp_path):
+    bad = tmp_path / "ops.json"
+    bad.write_text(json.dumps({"suite": "ops", "machine": {}, "results": []}))
+    with pytest.raises(ValueError, match="--model"):
+        report.load(bad, "model")
+    with pytest.raises(ValueError, match="no results"):
+        report.load(bad, "ops")
+    with pytest.raises(ValueError, match="bench:model"):
+        report.fill("no markers here", "model", "table")
