@@ -80,7 +80,7 @@ def table(rows: list[dict]) -> tuple[list[str], int, int]:
             checked += ratio is not None and not stock
         compile_s = r.get("compile_s")
         row = ([str(r.get("model", ""))] if with_model else []) + [
-            r["shape"], r["pass"], r["mode"], r["variant"], f"{r['time_ms']:.2f}", cells[0],
+            r["shape"], r["pass"], r["mode"], r["variant"], f"{r['time_ms']:.4g}", cells[0],
             _mib(r.get("saved_bytes")), cells[1], _mib(r.get("peak_bytes")), cells[2],
             "-" if compile_s is None else f"{compile_s:.1f}",
         ]  # fmt: skip
