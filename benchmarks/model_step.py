@@ -48,13 +48,13 @@ import roundalign
 VARIANTS = ("stock", "aligned", "vllm")  # stock first: the others' ratios divide by it
 MODES = ("eager", "compiled")
 PASS = "train step"
-# (model, batch, seq, modes, rounds). Sized for the ~7 minute share of `make bench` on 2 cores, where one eager
-# step of the 0.6B shape takes ~6 s at 512 tokens: fewer rounds there, and seq 1024 runs eager only (its compiled
-# case would add ~2.5 min). docs/benchmarks.md says what was cut.
+# (model, batch, seq, modes, rounds). Sized for about 8 of `make bench`'s 15 minutes on 2 cores, where one eager
+# step of the 0.6B shape takes ~2-6 s at 512 tokens (a first full run of the suite took 5.5 minutes with half
+# these rounds, and its 3-timed-round medians were too noisy). docs/benchmarks.md says what was cut.
 FULL_CASES = (
-    ("tiny-qwen3", 8, 128, MODES, 6),
-    ("qwen3-0.6b-2l", 1, 512, MODES, 4),
-    ("qwen3-0.6b-2l", 1, 1024, ("eager",), 3),
+    ("tiny-qwen3", 8, 128, MODES, 12),
+    ("qwen3-0.6b-2l", 1, 512, MODES, 8),
+    ("qwen3-0.6b-2l", 1, 1024, ("eager",), 6),
 )
 QUICK_CASES = (("tiny-qwen3", 2, 32, MODES, 2),)
 
@@ -231,8 +231,8 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny-qwen3 at 2 x 32 tokens, 2 rounds: a smoke run")
-    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default: 6 for tiny-qwen3, "
-                    "4 or 3 for the 0.6B shape, 2 with --quick)")
+    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default: 12 for tiny-qwen3, "
+                    "8 or 6 for the 0.6B shape, 2 with --quick)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager,compiled")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)

@@ -301,13 +301,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seqs", help="comma-separated sequence lengths for every model (default: per model, "
                     "0.6B 512-4096, 8B 512 and 2048)")
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
-    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default 5; --quick 2)")
+    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default 9; --quick 2)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--json", metavar="PATH", help="write {suite, machine, results} here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (2 if args.quick else 9)
     if rounds < 2:
         raise SystemExit(f"ops.py: --rounds must be at least 2 (one warm-up, one timed), got {rounds}")
     op_list = _csv(args.ops, OPS, "op")
