@@ -178,6 +178,24 @@ def _profiles(args: argparse.Namespace) -> int:
     return OK
 
 
+def _run_with_console(run: Callable, args: argparse.Namespace, diverged: tuple[type[Exception], ...] = ()) -> int:
+    """Run a subcommand's ``run(args, console)``: a missing ``rich`` is status 1, bad input (ValueError,
+    FileNotFoundError) 2 with its message, ``diverged`` (a training run's non-finite stop) 3; else the exit status
+    ``run`` returns (train, compare), or ``OK`` when it returns something else (probe returns its report)."""
+    console = _console()
+    if console is None:
+        return MISSING_DEPENDENCY
+    try:
+        status = run(args, console)
+    except (ValueError, FileNotFoundError) as exc:
+        _error(str(exc))
+        return USAGE
+    except diverged as exc:  # () catches nothing
+        _error(str(exc))
+        return DIVERGED
+    return status if isinstance(status, int) else OK
+
+
 # -----------------------------------------------------------------------------
 # roundalign probe [...]: the mismatch audit (roundalign.probe.cli holds its options and the run)
 
@@ -193,15 +211,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
 def _probe(args: argparse.Namespace) -> int:
     from roundalign.probe.cli import run
 
-    console = _console()
-    if console is None:
-        return MISSING_DEPENDENCY
-    try:
-        run(args, console)
-    except (ValueError, FileNotFoundError) as exc:
-        _error(str(exc))
-        return USAGE
-    return OK
+    return _run_with_console(run, args)
 
 
 # -----------------------------------------------------------------------------
@@ -220,17 +230,7 @@ def _train(args: argparse.Namespace) -> int:
     from roundalign.rl.cli import run
     from roundalign.rl.loop import TrainingDiverged
 
-    console = _console()
-    if console is None:
-        return MISSING_DEPENDENCY
-    try:
-        return run(args, console)
-    except (ValueError, FileNotFoundError) as exc:
-        _error(str(exc))
-        return USAGE
-    except TrainingDiverged as exc:
-        _error(str(exc))
-        return DIVERGED
+    return _run_with_console(run, args, diverged=(TrainingDiverged,))
 
 
 def _compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -244,14 +244,7 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
 def _compare(args: argparse.Namespace) -> int:
     from roundalign.rl.compare import run
 
-    console = _console()
-    if console is None:
-        return MISSING_DEPENDENCY
-    try:
-        return run(args, console)
-    except (ValueError, FileNotFoundError) as exc:
-        _error(str(exc))
-        return USAGE
+    return _run_with_console(run, args)
 
 
 # -----------------------------------------------------------------------------
