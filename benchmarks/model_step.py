@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +39,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _machine import machine_info
 
 import roundalign
 
@@ -57,26 +55,6 @@ FULL_CASES = (
     ("qwen3-0.6b-2l", 1, 1024, ("eager",), 6),
 )
 QUICK_CASES = (("tiny-qwen3", 2, 32, MODES, 2),)
-
-
-def machine_info() -> dict:
-    """The header both suites print: CPU model, logical CPUs, torch threads, versions, date."""
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
 
 
 def build_model(name: str) -> transformers.PreTrainedModel:

@@ -28,10 +28,7 @@ peak of the running sum of the CPU allocations and frees the profiler records du
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _machine import machine_info
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from roundalign import ops
@@ -64,20 +62,6 @@ class Variant:
     name: str  # "stock" or the rule(s)
     fn: Callable  # fn(*inputs) -> tensor or tuple of tensors
     inputs: tuple  # tensors; the float leaves that require grad get gradients in forward+backward
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat()}
 
 
 def _leaf(*shape, dtype=torch.bfloat16, scale=1.0, shift=0.0):
@@ -322,7 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"ops.py: --seqs takes comma-separated integers, got {args.seqs!r}") from None
         plan = [(m, s) for m in models for s in (seqs or DEFAULT_SEQS[m])]
 
-    info = machine()
+    info = machine_info()
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads, "
           f"torch {info['torch']}, transformers {info['transformers']}, {info['date']}")
     print(f"ops: {', '.join(op_list)}; modes: {', '.join(modes)}; {rounds} rounds (1 warm-up); bf16, batch 1")

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+from _machine import machine_info
 
 from roundalign.sync import MODES, Exporter, UpdateTracker
 
@@ -62,17 +62,6 @@ def qwen25_05b_master(seed: int) -> dict[str, torch.Tensor]:
     # Weights ~ N(0, 0.02^2) as at init; norms near 1. The values do not change the cost of any mode.
     return {n: 1.0 + 0.1 * torch.randn(s, generator=g) if n.endswith("norm.weight")
             else 0.02 * torch.randn(s, generator=g) for n, s in shapes.items()}  # fmt: skip
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
 
 
 def bench_set(name: str, master: dict[str, torch.Tensor], args) -> dict:
@@ -125,7 +114,7 @@ def main() -> None:
         p.error("--repeats must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = machine()
+    info = machine_info()
     print(f"args: {vars(args)}")
     print(f"machine: {info['cpu']}, {info['torch_threads']} torch threads, torch {info['torch']}, {info['date']}")
     loaders = {"tiny": tiny_master, "0.5b": lambda: qwen25_05b_master(args.seed)}

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
+from _machine import cpu_model
 
 from roundalign.rl.config import TrainConfig
 from roundalign.rl.loop import Run
@@ -38,16 +38,6 @@ CONFIGS = {
 }
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per configuration, after 1 warm-up")
@@ -56,7 +46,7 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="write the raw per-step timings here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {_cpu()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"batch: 8 problems x 8 completions, max 64 tokens, engine profile {args.engine_profile}, kernels backend")
 
     runs = {}
@@ -79,7 +69,7 @@ def main() -> None:
         med = {p: statistics.median(r[p] for r in rows) for p in PHASES}
         print(f"{name:<26}" + "".join(f"{med[p]:>14.3f}" for p in PHASES) + f"{med['step'] / base:>15.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": _cpu(), "torch": torch.__version__,
+        Path(args.json).write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__,
                                                "threads": args.threads, "timings": times}, indent=1) + "\n")
 
 

@@ -7,29 +7,16 @@ peak at exactly 8 MiB.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from roundalign import ops
+from tests.benchmark_scripts import load
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", _BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-model_step = _load("model_step")
-report = _load("report")
+model_step = load("model_step")
+report = load("report")
 
 
 def _check_suite(result: dict, modes: set[str]) -> None:

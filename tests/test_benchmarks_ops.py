@@ -7,18 +7,14 @@ backward, which for these ops follow exactly from the shapes (computed here from
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ops.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_ops", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses look their module up there
-_spec.loader.exec_module(bench)
+from tests.benchmark_scripts import load
+
+bench = load("ops")
 
 ROW_KEYS = {"name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_bytes", "saved_ratio",
             "peak_bytes", "peak_ratio"}
