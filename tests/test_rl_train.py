@@ -15,6 +15,7 @@ import torch
 from roundalign.cli import main
 from roundalign.rl import checkpoint
 from roundalign.rl.config import TrainConfig
+from roundalign.rl.logbook import read_metrics
 from roundalign.rl.loop import TrainingDiverged, train
 from roundalign.rl.policy import Policy
 
@@ -22,7 +23,7 @@ SMALL = dict(prompts_per_step=2, group_size=4, max_tokens=48, eval_problems=8, e
 
 
 def _rows(out) -> list[dict]:
-    return checkpoint.read_metrics(out / "metrics.jsonl")
+    return read_metrics(out / "metrics.jsonl")
 
 
 def _no_timing(row: dict) -> dict:

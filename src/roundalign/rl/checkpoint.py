@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from roundalign.rl.logbook import read_metrics
+
 KEEP = 2
 PREFIX = "step-"
 
@@ -65,12 +67,6 @@ def load_latest(out: Path) -> tuple[dict, dict, dict]:
     path = found[-1]
     state = torch.load(path / "state.pt", weights_only=False)
     return load_file(str(path / "master.safetensors")), load_file(str(path / "served.safetensors")), state
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def truncate_metrics(path: Path, step: int) -> None:

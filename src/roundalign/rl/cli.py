@@ -146,7 +146,7 @@ _REPORT = (("reward/mean", "reward", ".3f"), ("rollout_corr/k3_kl", "k3_kl (trai
 
 def _report(out: Path, console) -> None:
     """A short summary of the finished run: the last 10 steps' averages, the first and last evaluation, the files."""
-    from roundalign.rl.checkpoint import read_metrics
+    from roundalign.rl.logbook import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0][-10:]

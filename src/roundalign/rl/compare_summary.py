@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign.rl.logbook import read_metrics
+
 GRID_ALIASES = {"trainer": "trainer_profile", "engine": "engine_profile", "is": "rollout_is"}
 _SHORT = {v: k for k, v in GRID_ALIASES.items()}
 
@@ -50,23 +52,6 @@ class Run:
     @property
     def train_steps(self) -> list[dict]:
         return [m for m in self.metrics if m["step"] >= 1]
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl, one dict per step. A resumed run re-logs the steps after its checkpoint: the later line wins."""
-    by_step: dict[int, dict] = {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            step = row["step"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{i}: not a metrics line ({exc}); expected a JSON object with a 'step'") from None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{path}:{i}: step must be an int >= 0, got {step!r}")
-        by_step[step] = row
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def load_runs(out: Path) -> list[Run]:

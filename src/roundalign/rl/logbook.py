@@ -13,6 +13,27 @@ import math
 from pathlib import Path
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """A metrics.jsonl, one dict per step in step order; [] when there is none yet. A step logged twice (a run
+    resumed from a checkpoint re-logs the steps after it) keeps its later line. A line that is not a JSON object with
+    an int ``step`` >= 0 is a ValueError naming the file and the line."""
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = row["step"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{i}: not a metrics line ({exc}); expected a JSON object with a 'step'") from None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{path}:{i}: step must be an int >= 0, got {step!r}")
+        by_step[step] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
 class Logbook:
     def __init__(self, out: Path, tensorboard: bool = True, console=None):
         self.path = out / "metrics.jsonl"

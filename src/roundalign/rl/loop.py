@@ -86,10 +86,14 @@ class Run:
     def sync(self) -> dict:
         master = self.policy.master_state()
         served = self.exporter.export(master)
+        self._serve(served)
+        return self.tracker.update(master, served)
+
+    def _serve(self, served: dict) -> None:
+        """The engine serves ``served``; the trainer computes on it (--loss-on-served) or on the master's RNE cast."""
         self.engine.load_weights(served)
         self.policy.set_compute_weights(served if self.config.resolved_loss_on_served else None)
         self.served = served
-        return self.tracker.update(master, served)
 
     def evaluate(self) -> float:
         prompts = [self.task.prompt(p) for p in self.task.eval_set]
@@ -189,10 +193,7 @@ class Run:
         self.policy.load_state_dict(master, state["policy"])
         self.exporter.load_state_dict(state["exporter"])
         self.tracker.load_state_dict(state["tracker"])
-        served = {k: v.to(DTYPE[self.config.dtype]) for k, v in served.items()}
-        self.engine.load_weights(served)
-        self.policy.set_compute_weights(served if self.config.resolved_loss_on_served else None)
-        self.served = served
+        self._serve({k: v.to(DTYPE[self.config.dtype]) for k, v in served.items()})
         return int(state["step"])
 
     def save(self, step: int) -> Path:
