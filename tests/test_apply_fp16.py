@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import roundalign
+from roundalign.mixed_precision import Carry
 from tests import formulas
 from tests.helpers import assert_bitwise_equal
 from tests.models import build
@@ -147,7 +148,7 @@ def test_patched_rms_norms_round_to_fp16(profile, norm_rule, qk_rule):
 
         if profile != "hf" and profile != "vllm-eager":  # these carry the fp32 sum: the final norm reads S
             s = f(x) + f(wide_fp16((7, 64), g, -12, 8))
-            got_final = model.model.norm((r(s), s))
+            got_final = model.model.norm((r(s), Carry(s)))  # what the last layer hands the final norm
             assert_bitwise_equal(got_final, RMS_NORM[norm_rule](s, model.model.norm.weight, eps), "final norm of S")
 
 
@@ -201,9 +202,10 @@ def test_residual_stream_stays_fp16(profile):
             h.remove()
     assert all(h.dtype == FP16 for h in hs)
     for o in outs:
-        if isinstance(o, tuple):  # (R, S)
-            assert o[0].dtype == FP16 and o[1].dtype == (FP16 if profile == "hf" else FP32)
-            assert torch.equal(o[0], r(o[1]))
+        if isinstance(o, tuple):  # (R, Carry(S))
+            big_r, (s,) = o
+            assert big_r.dtype == FP16 and s.dtype == (FP16 if profile == "hf" else FP32)
+            assert torch.equal(big_r, r(s))
         else:
             assert o.dtype == FP16
 

@@ -76,7 +76,7 @@ def test_output_hidden_states_same_meaning_as_stock(family):
     handle = layer.register_forward_hook(lambda m, a, o: captured.update(out=o))
     vllm(ids)
     handle.remove()
-    r, s = captured["out"]
+    r, (s,) = captured["out"]  # (R, Carry(S))
     assert r.dtype == torch.bfloat16 and s.dtype == torch.float32
     assert torch.equal(r, s.to(torch.bfloat16))
     assert torch.equal(hs[2], r)
@@ -89,7 +89,7 @@ def test_last_hidden_state_is_final_norm_of_fp32_sum():
     handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.update(out=o))
     out = model.model(ids)
     handle.remove()
-    r, s = captured["out"]
+    r, (s,) = captured["out"]  # (R, Carry(S))
     norm = model.model.norm
     w, eps = norm.weight, norm.variance_epsilon
     s32 = s.float()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from roundalign.ops._custom import default_out_dtype
+from roundalign.mixed_precision import Carry, low_dtype
 from roundalign.profiles import CosSinDtype, RopeRule
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
@@ -66,10 +66,11 @@ class AlignedRotary:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self._roundalign_scaling
         sin = emb.sin() * self._roundalign_scaling
+        # In a Carry, so that FSDP2's forward-input cast cannot round c32 on its way into the layers.
         if self._roundalign_rope.cos_sin is CosSinDtype.BF16:
-            low = default_out_dtype(x)
-            return cos.to(low), sin.to(low)  # c16 = r(cos(theta)), the engine's bf16 cache
-        return cos, sin  # c32, the fp32 cache of FlashInfer / SGLang / TE
+            low = low_dtype(x)  # the model's 16-bit dtype, or autocast's for fp32 parameters
+            return Carry(cos.to(low), sin.to(low))  # c16 = r(cos(theta)), the engine's bf16 cache
+        return Carry(cos, sin)  # c32, the fp32 cache of FlashInfer / SGLang / TE
 
     def extra_repr(self) -> str:
         return f"rope={self._roundalign_rope}, inv_freq=fp32 from config"

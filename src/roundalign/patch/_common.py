@@ -14,6 +14,17 @@ Across a layer boundary that needs both, so an aligned decoder layer returns the
 - generation and the KV cache only see q/k/v inside attention, which are unchanged.
 
 Under ``normalize_rounded_sum`` a layer returns ``R`` alone, exactly as stock HF does.
+
+Two things about how a trainer runs the model change nothing in the rounding points, by design:
+
+- **FSDP2 mixed precision** (``MixedPrecisionPolicy(param_dtype=bf16)``, verl's and accelerate's default
+  ``cast_forward_inputs=True``) casts every floating tensor a wrapped module receives to bf16, which would round
+  ``S`` and fp32 cos/sin at each layer boundary. The fp32 tensors aligned modules hand each other therefore travel
+  in a ``Carry``, a holder FSDP's input cast does not open (``roundalign.mixed_precision``).
+- **Autocast with fp32 parameters** (HF Trainer / TRL ``bf16=True``): linears, matmuls and SDPA already run in bf16;
+  the aligned modules make the rest match a bf16 engine serving ``r(W)``: the embedding output is rounded where it
+  enters the first layer, and norm weights are rounded before use (``low_dtype``, ``engine_weight``). Stock HF under
+  autocast keeps an fp32 residual stream instead; docs/mixed-precision.md lists every tensor.
 """
 
 from __future__ import annotations
@@ -23,14 +34,29 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from roundalign import ops
+from roundalign.mixed_precision import Carry, engine_weight, low_dtype
 from roundalign.profiles import ResidualRule, RopeRounding, SwiGLURule
 
 
 def _carried(hidden_states):
-    """Split what a layer receives into (residual R, what the norm reads)."""
+    """Split what a layer or the final norm receives into (residual R, what the norm reads)."""
     if isinstance(hidden_states, tuple):
-        return hidden_states
+        rounded, fp32_sum = hidden_states
+        return rounded, fp32_sum.tensors[0]
     return hidden_states, hidden_states
+
+
+def _layer_input(hidden_states):
+    """``_carried`` for a decoder layer, where the residual stream starts.
+
+    A plain tensor there is the embedding output (or R under normalize_rounded_sum). Under autocast with fp32
+    parameters the embedding is fp32, while an engine's is the bf16 row ``r(E)``: round it here.
+    """
+    rounded, x = _carried(hidden_states)
+    low = low_dtype(rounded)
+    if rounded.dtype != low:
+        rounded = x = rounded.to(low)
+    return rounded, x
 
 
 class AlignedRMSNorm:
@@ -40,7 +66,8 @@ class AlignedRMSNorm:
 
     def forward(self, hidden_states):
         _, x = _carried(hidden_states)
-        return ops.rms_norm(x, self.weight, self.variance_epsilon, self._roundalign_rule)
+        low = low_dtype(self.weight, x)  # the weight's (model's) 16-bit dtype, or autocast's
+        return ops.rms_norm(x, engine_weight(self.weight, low), self.variance_epsilon, self._roundalign_rule, low)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, rule={self._roundalign_rule}"
@@ -125,7 +152,7 @@ class AlignedDecoderLayer:
             cache = kwargs.pop("past_key_values")
         _check_checkpointing(self)
         rule = self._roundalign_residual
-        rounded, x = _carried(hidden_states)  # (R, what the norm reads: R or S)
+        rounded, x = _layer_input(hidden_states)  # (R, what the norm reads: R or S)
         residual = x if rule is ResidualRule.NEVER_ROUND else rounded
         x = self.input_layernorm(x)
         x, _ = self.self_attn(
@@ -145,7 +172,7 @@ class AlignedDecoderLayer:
         rounded, x = ops.residual_add(x, residual, rule)
         if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
             return rounded
-        return rounded, x  # (R, S): the next norm reads S; the next layer carries R, or S under never_round
+        return rounded, Carry(x)  # (R, S): the next norm reads S; the next layer carries R, or S under never_round
 
     def extra_repr(self) -> str:
         return f"profile={self._roundalign_profile}, residual={self._roundalign_residual}"
@@ -175,9 +202,10 @@ class AlignedExperts:
         return ops.swiglu(gate, up, self._roundalign_rule)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        experts = _EngineWeights.of(self, low_dtype(hidden_states))
         impl = getattr(self.config, "_experts_implementation", None) or "eager"
         if impl != "eager":
-            return ALL_EXPERTS_FUNCTIONS.get_interface(impl, None)(self, hidden_states, top_k_index, top_k_weights)
+            return ALL_EXPERTS_FUNCTIONS.get_interface(impl, None)(experts, hidden_states, top_k_index, top_k_weights)
         # HF's eager loop (qwen3_moe Qwen3MoeExperts.forward), with the SwiGLU through _apply_gate.
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
@@ -188,11 +216,34 @@ class AlignedExperts:
             if expert_idx == self.num_experts:
                 continue
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
-            out = torch.nn.functional.linear(self._apply_gate(gate_up), self.down_proj[expert_idx])
+            gate_up = torch.nn.functional.linear(hidden_states[token_idx], experts.gate_up_proj[expert_idx])
+            out = torch.nn.functional.linear(self._apply_gate(gate_up), experts.down_proj[expert_idx])
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, swiglu={self._roundalign_rule}"
+
+
+class _EngineWeights:
+    """The experts module as HF's expert functions read it, with its weights rounded to ``r(W)``.
+
+    Under autocast with fp32 parameters, HF's grouped_mm path casts the bf16 tokens *up* to the fp32 expert weights
+    (``torch._grouped_mm`` is not autocast-enabled), so stock experts compute in fp32; a bf16 engine's do not.
+    Handing HF's function this view, whose 3D weights are the engine's bf16 ones, keeps the expert GEMMs in bf16.
+    """
+
+    def __init__(self, experts, low: torch.dtype):
+        self._experts = experts
+        for name, p in experts.named_parameters(recurse=False):
+            setattr(self, name, engine_weight(p, low))
+
+    @classmethod
+    def of(cls, experts, low: torch.dtype):
+        if all(p.dtype == low for p in experts.parameters(recurse=False)):
+            return experts  # a bf16 model, or FSDP mixed precision: nothing to round
+        return cls(experts, low)
+
+    def __getattr__(self, name):  # config, num_experts, _apply_gate, ... from the module itself
+        return getattr(self._experts, name)
