@@ -48,10 +48,10 @@ def _check_dtype(model, allow_non_bf16: bool) -> None:
     raise TypeError(
         f"roundalign.apply needs a bf16 model, got parameters in {names}. The profiles say where a bf16 engine "
         "rounds; in fp32 nothing would round. Load with dtype=torch.bfloat16 or call model.to(torch.bfloat16) "
-        "first. If the weights are cast to bf16 for compute later (FSDP MixedPrecision param_dtype=bf16), or the "
-        "engine serves fp16 too (Engine(..., dtype=torch.float16)), pass allow_non_bf16=True: each op rounds to "
-        "the 16-bit dtype of the weights and activations it receives at run time, so bf16 or fp16 compute gets "
-        "the profile's rounding points in that dtype."
+        "first. For fp32 master weights with bf16 compute (FSDP2 MixedPrecisionPolicy(param_dtype=bf16), or "
+        "torch.autocast(dtype=bf16) as HF Trainer/TRL bf16=True run it), or an fp16 engine "
+        "(Engine(..., dtype=torch.float16)), pass allow_non_bf16=True: the model then rounds where the engine does, "
+        "in the 16-bit compute dtype (docs/mixed-precision.md)."
     )
 
 
@@ -61,8 +61,9 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
     Args:
         model: an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama model (``*ForCausalLM`` or its base model) in bf16.
         profile: a built-in profile name (``roundalign.list_profiles()``) or a ``Profile``.
-        allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it). An fp16 model
-            rounds at the profile's rounding points to fp16, as an fp16 engine does.
+        allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it). fp32 parameters
+            under FSDP2 mixed precision or autocast compute what the bf16 model with weights ``r(W)`` computes
+            (``roundalign.mixed_precision``); an fp16 model rounds at the profile's rounding points to fp16.
         **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
 
     Returns the model. ``hf`` (stock HF eager) leaves every module as it is and only records the profile.
