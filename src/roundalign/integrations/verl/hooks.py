@@ -1,0 +1,221 @@
+"""``install``: put ``patch_actor`` at verl's model-patching seam and Fair Cast into verl's weight sync, in-process.
+
+Everything here targets verl 0.9.1's ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``) and checks
+the source it hooks before it hooks it, so a verl release that moved the seam or the cast fails loudly instead of
+silently running stock numerics:
+
+- **Seam.** ``_build_module`` calls the module-level name ``apply_monkey_patch`` right after Liger and right before
+  ``module.to(torch_dtype)``; ``install`` rebinds that name in ``transformer_impl`` to a wrapper that runs verl's
+  function and then ``patch_actor``. ``_build_fsdp_module`` is wrapped to check afterwards that FSDP wrapped every
+  aligned decoder layer on its own (a user's ``wrap_policy.transformer_layer_cls_to_wrap`` naming the HF class would
+  not).
+- **Weight sync** (``sync="stochastic"`` or ``"error-feedback"``). ``get_per_tensor_param_shard`` (the delta
+  engine's path) is verl's code with the ``p.to(torch.bfloat16)`` cast replaced by ``ShardExporter.export`` on the
+  local fp32 shard. ``get_per_tensor_param`` (the full-tensor path of colocated and NCCL syncs, and the delta seed)
+  exports the local shard the same way and all-gathers the bf16 result, so both paths serve the same bits, and the
+  gather moves half the bytes of verl's fp32 one. ``optimizer_step`` and ``load_checkpoint`` start a new weight
+  version. ``sync="rne"`` changes nothing: it is verl's own cast.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+
+from roundalign.integrations.verl.export import ShardExporter, flat_offset
+from roundalign.integrations.verl.seam import import_families, patch_actor
+
+logger = logging.getLogger(__name__)
+
+_SYNC_MODES = ("rne", "stochastic", "error-feedback")
+_state: dict = {}  # what install() replaced: {"originals": [(owner, attr, value)], "profile", "sync", "seed"}
+
+
+def installed() -> dict | None:
+    """``{"profile": ..., "sync": ..., "seed": ...}`` when ``install`` is in effect in this process, else None."""
+    return {k: _state[k] for k in ("profile", "sync", "seed")} if _state else None
+
+
+def install(profile=None, sync: str | None = None, seed: int = 0, **region_overrides) -> dict:
+    """Hook verl's FSDP engine in this process: ``profile`` at the seam, ``sync`` in the weight export.
+
+    ``profile``: a profile name or ``Profile`` for ``patch_actor`` (None: leave the model alone). ``sync``: None or
+    ``"rne"`` (verl's cast), ``"stochastic"`` or ``"error-feedback"``; ``seed`` seeds stochastic rounding. Installing
+    the same settings twice is a no-op; different ones raise (``uninstall`` first).
+    """
+    import roundalign
+
+    if sync is not None and sync not in _SYNC_MODES:
+        raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(_SYNC_MODES)}")
+    if profile is not None:
+        profile = roundalign.get_profile(profile).replace(**region_overrides)  # a bad name or rule fails here
+    wanted = {"profile": profile, "sync": sync, "seed": seed}
+    if _state:
+        if installed() == wanted:
+            return installed()
+        raise RuntimeError(f"roundalign's verl hooks are installed with {installed()}; uninstall() before {wanted}")
+    import_families()  # before Liger can rebind transformers' classes (see seam._family)
+    ti = _transformer_impl()
+    originals = []
+    if profile is not None:
+        _check_source(ti.FSDPEngine._build_module, ["apply_monkey_patch(", "module.to(torch_dtype)"], "the seam")
+        originals += _hook_seam(ti, profile)
+    if sync in ("stochastic", "error-feedback"):
+        _check_source(ti.FSDPEngine.get_per_tensor_param_shard, ["p.to(torch.bfloat16"], "the shard export cast")
+        originals += _hook_sync(ti, sync, seed)
+    _state.update(wanted, originals=originals)
+    logger.info("roundalign: verl hooks installed (%s)", installed())
+    return installed()
+
+
+def uninstall() -> None:
+    """Put back everything ``install`` replaced."""
+    for owner, attr, value in reversed(_state.get("originals", [])):
+        setattr(owner, attr, value)
+    _state.clear()
+
+
+def _transformer_impl():
+    import verl
+    import verl.workers.engine.fsdp.transformer_impl as ti
+
+    if not str(getattr(verl, "__version__", "")).startswith("0.9."):
+        warnings.warn(f"roundalign's verl hooks were written against verl 0.9.1; this is verl {verl.__version__}",
+                      stacklevel=3)
+    return ti
+
+
+def _check_source(func, needles: list[str], what: str) -> None:
+    source = inspect.getsource(func)
+    positions = [source.find(n) for n in needles]
+    if min(positions) < 0 or positions != sorted(positions):
+        raise RuntimeError(
+            f"verl's {func.__qualname__} no longer has {what} where roundalign hooks it (expected "
+            f"{' then '.join(repr(n) for n in needles)}); this verl version is not supported"
+        )
+
+
+def _hook_seam(ti, profile) -> list:
+    verl_patch = ti.apply_monkey_patch
+
+    def apply_monkey_patch(model, *args, **kwargs):
+        result = verl_patch(model, *args, **kwargs)
+        patch_actor(model, profile)  # after Liger and verl's own patch; before .to(dtype) and FSDP
+        return result
+
+    build_fsdp = ti.FSDPEngine._build_fsdp_module
+
+    def _build_fsdp_module(self, module):
+        wrapped = build_fsdp(self, module)
+        _check_layers_wrapped(wrapped)
+        return wrapped
+
+    originals = [(ti, "apply_monkey_patch", verl_patch), (ti.FSDPEngine, "_build_fsdp_module", build_fsdp)]
+    ti.apply_monkey_patch = apply_monkey_patch
+    ti.FSDPEngine._build_fsdp_module = _build_fsdp_module
+    return originals
+
+
+def _check_layers_wrapped(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from roundalign.patch._common import AlignedDecoderLayer
+
+    layers = [m for m in model.modules() if isinstance(m, AlignedDecoderLayer)]
+    fsdp1_units = {id(m._fsdp_wrapped_module) for m in model.modules() if isinstance(m, FSDP)}
+    loose = [type(m).__name__ for m in layers if not isinstance(m, FSDPModule) and id(m) not in fsdp1_units]
+    if loose:
+        warnings.warn(
+            f"FSDP did not wrap {len(loose)} aligned decoder layers ({loose[0]}) as their own units, so each forward "
+            "gathers the whole model at once. If you set actor_rollout_ref.actor.fsdp_config.wrap_policy."
+            f"transformer_layer_cls_to_wrap, name the aligned class ({loose[0].removeprefix('FSDP')}).",
+            stacklevel=2,
+        )
+
+
+def _exporter(engine, sync: str, seed: int) -> ShardExporter:
+    exporter = getattr(engine, "_roundalign_exporter", None)
+    if exporter is None:
+        exporter = engine._roundalign_exporter = ShardExporter(sync, seed)
+    return exporter
+
+
+def _check_engine(ti, engine, what: str) -> None:
+    model = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
+    problems = ["LoRA"] * hasattr(model, "peft_config") + ["QAT"] * bool(getattr(engine, "_qat_enabled", False))
+    if ti.fsdp_version(engine.module) != 2:
+        problems.append(f"strategy {engine.engine_config.strategy!r} (FSDP{ti.fsdp_version(engine.module)})")
+    if problems:
+        raise NotImplementedError(
+            f"roundalign's Fair Cast {what} supports a full-parameter FSDP2 actor (actor_rollout_ref.actor.strategy="
+            f"fsdp2), not {', '.join(problems)}; unset ROUNDALIGN_SYNC (or use rne) for this run"
+        )
+
+
+def _hook_sync(ti, sync: str, seed: int) -> list:
+    from torch.distributed.tensor import DTensor
+    from verl.workers.engine.spec import ShardSpec
+
+    def get_per_tensor_param_shard(self, **kwargs):
+        """verl 0.9.1's shard export, with ``p.to(torch.bfloat16)`` replaced by roundalign's Fair Cast."""
+        _check_engine(ti, self, "shard export")
+        params = ti.convert_weight_keys(self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module",
+                                                                          self.module))
+        device, exporter = ti.get_device_id(), _exporter(self, sync, seed)
+
+        def _gen():
+            for name, param in params.items():
+                spec = ShardSpec.from_param(param)
+                p = param.to(device, non_blocking=True)
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.is_floating_point():
+                    local = exporter.export(name, local, flat_offset(param))  # was: p.to(torch.bfloat16)
+                yield name, local.reshape(-1), spec
+
+        return _gen(), None
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """Full tensors for the rollout: each rank exports its shard, then the bf16 shards are all-gathered."""
+        _check_engine(ti, self, "full-tensor export")
+        params = ti.convert_weight_keys(self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module",
+                                                                          self.module))
+        device, exporter = ti.get_device_id(), _exporter(self, sync, seed)
+
+        def served(name, param):
+            p = param.to(device, non_blocking=True)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if not local.is_floating_point():
+                return p.full_tensor() if isinstance(p, DTensor) else p
+            out = exporter.export(name, local, flat_offset(param))
+            if not isinstance(p, DTensor):
+                return out
+            return DTensor.from_local(out, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+
+        per_tensor = ((name, served(name, param)) for name, param in params.items())
+        return ti.unfuse_moe_params(per_tensor, self.model_config.hf_config.model_type), None
+
+    originals = []
+    for attr, replacement in (("get_per_tensor_param_shard", get_per_tensor_param_shard),
+                              ("get_per_tensor_param", get_per_tensor_param)):
+        originals.append((ti.FSDPEngine, attr, getattr(ti.FSDPEngine, attr)))
+        setattr(ti.FSDPEngine, attr, replacement)
+    for attr in ("optimizer_step", "load_checkpoint"):  # the master moves: the next export rounds afresh
+        original = getattr(ti.FSDPEngine, attr)
+        originals.append((ti.FSDPEngine, attr, original))
+        setattr(ti.FSDPEngine, attr, _bumping(original, sync, seed))
+    return originals
+
+
+def _bumping(method, sync: str, seed: int):
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        _exporter(self, sync, seed).next_version()
+        return result
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+__all__ = ["install", "installed", "uninstall"]
