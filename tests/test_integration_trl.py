@@ -83,10 +83,10 @@ class Capture(TrainerCallback):
         self.weights.append(self.snapshot())
 
 
-def run_trainer(tmp_path, *, fp32=True, profile="vllm", sync="rne", steps=3, attribution_every=1, **config):
+def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1, **config):
+    """3 steps of the policy patched ``vllm`` sampled by a ``vllm`` engine, recorded by ``Capture``."""
     model, tokenizer = trl_setup.policy(fp32)
-    if profile is not None:
-        patch_policy(model, profile)
+    patch_policy(model, "vllm")
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), fp32=fp32, steps=steps, temperature=TEMPERATURE,
                                 **config)
     rollout = EngineRollout(engine_profile="vllm", sync=sync, seed=3, attribution_every=attribution_every,
