@@ -13,6 +13,8 @@ Per generation batch, over every completion token of every rank (gathered, so al
   definitions (``rollout_corr/k3_kl`` = mean(exp(rho) - rho - 1), rho = logp_trainer - logp_sampler);
 - ``rollout_corr/raw_is_*``: the raw importance ratios, before TRL truncates or masks them (trl#5231), and
   ``rollout_corr/rollout_is_ratio_fraction_{high,low}`` against TRL's clip band (``roundalign.rl.correction``);
+- with a prefill scorer (``EngineRollout(prefill_check=True)``), ``prefill/*``: the trainer against the engine's own
+  one-sequence prefill of the same tokens, the rounding-location gap without decode's attention shapes;
 - every ``attribution_every`` training steps, ``attribution/*``: the same rollouts re-scored by the policy under
   the base profile (stock ``hf``), under the engine profile, and with one region switched at a time
   (``roundalign.probe.attribution``). ``attribution/base/k3_kl`` against ``attribution/target/k3_kl`` is the stock
