@@ -168,6 +168,24 @@ def test_patch_actor_refuses_unsupported_and_unreached():
         patch_actor(actor, "vllm")
 
 
+def test_write_rollout_logprobs_unpads_a_verl_batch(tmp_path):
+    from roundalign.integrations.verl import write_rollout_logprobs
+    from roundalign.probe import read_engine_logprobs
+
+    batch = {  # verl's layout: left-padded prompts, right-padded responses, one attention_mask over both
+        "prompts": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]),
+        "responses": torch.tensor([[11, 12, 0], [13, 0, 0]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]]),
+        "rollout_log_probs": torch.tensor([[-0.5, -0.25, 0.0], [-1.5, 0.0, 0.0]]),
+    }
+    assert write_rollout_logprobs(batch, tmp_path / "dump.jsonl") == 2
+    got = read_engine_logprobs(tmp_path / "dump.jsonl", vocab_size=264, max_model_len=256)
+    assert [(r.prompt_token_ids, r.token_ids, r.logprobs) for r in got] == [
+        ([5, 6], [11, 12], [-0.5, -0.25]), ([7, 8, 9, 10], [13], [-1.5])]
+    with pytest.raises(KeyError, match="calculate_log_probs"):
+        write_rollout_logprobs({k: v for k, v in batch.items() if k != "rollout_log_probs"}, tmp_path / "x.jsonl")
+
+
 # ---- activation -----------------------------------------------------------------------------------------------------
 
 def test_settings_from_env_and_runtime_env():

@@ -10,15 +10,18 @@ Three layers, each usable alone (``docs/verl.md``):
   Ray ``worker_process_setup_hook`` that ``ray_runtime_env()`` and ``python -m
   roundalign.integrations.verl.main_ppo`` (verl's ``main_ppo`` with the hook) put into every worker.
 
-Importing this package does not import verl; ``install`` does.
+``write_rollout_logprobs(batch, path)`` dumps a verl batch's sampler log-probs for ``roundalign probe
+--engine-logprobs``. Importing this package does not import verl; ``install`` does.
 """
 
 from roundalign.integrations.verl.activation import ENV_VARS, SETUP_HOOK, activate, ray_runtime_env, settings_from_env
+from roundalign.integrations.verl.dump import rollouts_from_batch, write_rollout_logprobs
 from roundalign.integrations.verl.export import BLOCK, ShardExporter, block_seed, flat_offset
 from roundalign.integrations.verl.hooks import install, installed, uninstall
 from roundalign.integrations.verl.seam import PatchReport, patch_actor
 
 __all__ = [
     "BLOCK", "ENV_VARS", "SETUP_HOOK", "PatchReport", "ShardExporter", "activate", "block_seed", "flat_offset",
-    "install", "installed", "patch_actor", "ray_runtime_env", "settings_from_env", "uninstall",
+    "install", "installed", "patch_actor", "ray_runtime_env", "rollouts_from_batch", "settings_from_env", "uninstall",
+    "write_rollout_logprobs",
 ]  # fmt: skip
