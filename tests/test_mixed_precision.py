@@ -154,13 +154,14 @@ def _fsdp2(model):
 def _fsdp2_rank(rank: int, world_size: int, cases, same_inputs: bool):
     """Per case: logits, aligned-module outputs and full (unsharded) fp32 gradients of the FSDP2 model."""
     out = []
-    for family, profile in cases:
+    for family, profile, autocast in cases:
         m32 = build(family, dtype=torch.float32)
         roundalign.apply(m32, profile, allow_non_bf16=True)
         model = _fsdp2(m32)
         ids = token_ids(seed=1 if same_inputs else 1 + rank)
         seen, _ = _capture(model)
-        logits = model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids).logits
         _loss(logits, ids).backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         out.append({"logits": logits.detach(), "ops": seen, "grads": grads})
@@ -187,19 +188,22 @@ def _bf16_reference(family: str, profile: str, seeds=(1,)):
     return first, total
 
 
-FSDP_CASES = [("qwen3", "hf"), ("qwen3", "vllm"), ("qwen3", "sglang"), ("llama", "aligned"), ("qwen3_moe", "vllm")]
+# (family, profile, autocast): verl's actor runs its FSDP2 forward under torch.autocast(param_dtype) as well.
+FSDP_CASES = [("qwen3", "hf", False), ("qwen3", "vllm", False), ("qwen3", "sglang", False), ("llama", "aligned", False),
+              ("qwen3_moe", "vllm", False), ("qwen3", "sglang", True), ("qwen3_moe", "aligned", True)]
 
 
 @pytest.mark.slow
 def test_fsdp2_mixed_precision_equals_single_process_bf16():
-    """Two gloo ranks, fp32 parameters, FSDP2 with param_dtype=bf16 and verl's cast_forward_inputs=True: logits,
-    every aligned module's output, and the reduced gradients equal the single-process bf16 patched model's."""
+    """Two gloo ranks, fp32 parameters, FSDP2 with param_dtype=bf16 and verl's cast_forward_inputs=True, with and
+    without autocast around the forward (verl's actor has both): logits, every aligned module's output, and the
+    reduced gradients equal the single-process bf16 patched model's."""
     ranks = spawn_gloo(_fsdp2_rank, 2, FSDP_CASES, True)
-    for i, (family, profile) in enumerate(FSDP_CASES):
+    for i, (family, profile, autocast) in enumerate(FSDP_CASES):
         ref, grads = _bf16_reference(family, profile)
         for rank, results in enumerate(ranks):
             got = results[i]
-            what = f"{family}/{profile} rank {rank}"
+            what = f"{family}/{profile}{' autocast' if autocast else ''} rank {rank}"
             assert_bitwise_equal(got["logits"], ref["logits"], f"{what} logits")
             assert got["ops"].keys() == ref["ops"].keys()
             for name in ref["ops"]:
@@ -217,7 +221,7 @@ def test_fsdp2_different_batches_per_rank_only_reorders_the_gradient_sum():
     """Different batches per rank: each rank's logits still equal the bf16 model's on that batch bitwise. The
     gradient is the fp32 mean of two bf16 per-rank gradients; one process summing the same two losses' gradients
     gets the same sum, so it is compared bitwise too (a difference here would be a real sharding bug)."""
-    ranks = spawn_gloo(_fsdp2_rank, 2, [("qwen3", "aligned")], False)
+    ranks = spawn_gloo(_fsdp2_rank, 2, [("qwen3", "aligned", False)], False)
     for rank in range(2):
         ref, _ = _bf16_reference("qwen3", "aligned", seeds=(1 + rank,))
         assert_bitwise_equal(ranks[rank][0]["logits"], ref["logits"], f"rank {rank} logits")
