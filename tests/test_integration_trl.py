@@ -9,7 +9,8 @@ What is proved here, each against a reference the test computes itself:
 - the engine's served weights are the RNE / stochastic / error-feedback export of the policy's fp32 master after
   every optimizer step;
 - on the same rollouts, the policy patched with the engine's profile has a lower ``rollout_corr/k3_kl`` than stock;
-- the same training runs under ``accelerate launch --cpu --num_processes 2`` (slow).
+- the same training runs as 2 DDP processes under ``accelerate launch --multi_gpu --num_processes 2``, which without
+  a GPU is torchrun over gloo on the CPU (``--cpu`` would start one process in accelerate 1.15; slow).
 """
 
 from __future__ import annotations
