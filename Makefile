@@ -4,7 +4,9 @@
 #   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
 #      a multi-GB CUDA build, while a pinned version that is already on the machine (CPU wheel) installs in
 #      seconds.
-#   2. roundalign itself, editable, with the [dev] extra (pytest, hypothesis, ruff, rich, ...).
+#   2. roundalign itself, editable, with the [dev] extra (pytest, hypothesis, ruff, rich, TRL, ...).
+#   3. verl 0.9.1 for tests/test_integration_verl.py, with --no-deps (it pins an older transformers), by
+#      scripts/install-verl.sh, which says why and checks that torch and transformers stay as they are.
 # A stamp file inside .venv records that; it is redone when pyproject.toml changes. To reinstall by hand,
 # `make clean-venv` (or `rm .venv/.installed`). Override the pin with e.g. `make test TORCH_SPEC=torch==2.14.0`.
 
@@ -23,9 +25,10 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml scripts/install-verl.sh | $(PY)
 	$(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install -e ".[dev]"
+	scripts/install-verl.sh $(PY)
 	touch $@
 
 test: $(STAMP)

@@ -185,3 +185,42 @@ def test_deepcopy_and_pickle_keep_the_patch():
     roundalign.revert(clone)
     assert torch.equal(model(ids).logits, expected)  # reverting the copy leaves the original patched
     assert not torch.equal(clone(ids).logits, expected)
+
+
+# ------------------------------------------------------------------------------------------ coexisting with others
+
+
+def test_fsdp_wrap_names_are_the_aligned_classes_and_revert_restores_them():
+    """FSDP auto-wrap finds decoder layers by class name in ``_no_split_modules`` (accelerate, verl), and accelerate
+    raises for a name no module has: an aligned model lists its aligned classes instead of HF's."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+
+    model = build("qwen3")
+    stock = model._no_split_modules
+    assert stock == {"Qwen3DecoderLayer"}
+    roundalign.apply(model, "vllm")
+    assert model._no_split_modules == {"AlignedQwen3DecoderLayer"}
+    for name in model._no_split_modules:  # what accelerate's FSDP2 auto-wrap does with each name
+        assert get_module_class_from_name(model, name) is type(model.model.layers[0])
+    roundalign.revert(model)
+    assert model._no_split_modules is stock
+
+
+def test_an_instance_level_forward_is_refused_before_anything_is_patched():
+    """Liger's _apply_liger_kernel_to_instance binds forward on instances, which would shadow the aligned class."""
+    model = build("llama")
+    model.model.norm.forward = lambda hidden_states: hidden_states  # what an instance-level patch does
+    with pytest.raises(RuntimeError, match=r"model\.norm.*instance-level forward"):
+        roundalign.apply(model, "vllm")
+    assert roundalign.patched_profile(model) is None
+    assert all(not hasattr(type(m), "_roundalign_hf_class") for m in model.modules())  # nothing half-patched
+
+
+def test_a_family_whose_transformers_classes_were_replaced_is_refused():
+    from roundalign.patch.registry import define_family
+
+    class LigerRMSNorm(torch.nn.Module):  # stands in for a class another library bound into transformers
+        pass
+
+    with pytest.raises(ImportError, match="before applying Liger"):
+        define_family("qwen3", {"__name__": "tests.fake_family"}, norm=LigerRMSNorm)

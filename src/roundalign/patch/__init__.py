@@ -113,12 +113,19 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
         inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)  # rotary
         return {"_roundalign_rope": rope, "_roundalign_inv_freq": inv_freq, "_roundalign_scaling": scaling}
 
+    hits = [(name, module, family.aligned_for(module)) for name, module in model.named_modules()]
+    hits = [(name, module, hit) for name, module, hit in hits if hit is not None]
+    shadowed = [name for name, module, _ in hits if "forward" in vars(module)]
+    if shadowed:
+        # An instance attribute shadows the class: after the swap these modules would keep their old numerics.
+        raise RuntimeError(
+            f"roundalign cannot patch {', '.join(shadowed[:4])}{' ...' if len(shadowed) > 4 else ''}: an "
+            "instance-level forward (e.g. Liger's _apply_liger_kernel_to_instance) would shadow the aligned one. "
+            "Patch with roundalign instead of Liger, or, in verl, use roundalign.integrations.verl.patch_actor, "
+            "which removes Liger's bindings first."
+        )
     swapped = 0
-    for name, module in model.named_modules():
-        hit = family.aligned_for(module)
-        if hit is None:
-            continue
-        role, aligned = hit
+    for name, module, (role, aligned) in hits:
         attrs = attrs_for(role, name, module)
         module.__class__ = aligned
         for key, value in attrs.items():
@@ -126,6 +133,25 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
         swapped += role == "decoder_layer"
     if not swapped:
         raise ValueError(f"found no {family.model_type} decoder layers to patch in {type(model).__name__}")
+    _rename_wrap_classes(model, family)
+
+
+def _rename_wrap_classes(model, family: Family) -> None:
+    """Name the aligned classes in ``_no_split_modules`` instead of HF's.
+
+    FSDP auto-wrap policies find decoder layers by class *name* in that list (accelerate's default
+    ``transformer_layer_cls_to_wrap``, verl's ``get_fsdp_wrap_policy``). With HF's names, accelerate fails to find
+    the class ("Could not find the transformer layer class") and verl's FSDP2 shards the model as one unit. Set on
+    the instances (the HF classes keep their lists); ``revert`` puts the originals back.
+    """
+    renamed = {hf_cls.__name__: aligned.__name__ for hf_cls, aligned in family.swaps.values()}
+    for module in (model, getattr(model, "model", None)):
+        names = getattr(module, "_no_split_modules", None)
+        if module is None or not names:
+            continue
+        module._roundalign_no_split = vars(module).get("_no_split_modules")  # None: the class's list
+        # HF 5 keeps a set on the instance (collected at post_init), older versions a list on the class.
+        module._no_split_modules = type(names)(renamed.get(n, n) for n in names)
 
 
 def revert(model):
@@ -134,6 +160,12 @@ def revert(model):
         hf_cls = getattr(type(module), "_roundalign_hf_class", None)
         if hf_cls is not None:
             module.__class__ = hf_cls
+        if "_roundalign_no_split" in vars(module):  # the list apply extended
+            original = module._roundalign_no_split
+            if original is None:
+                del module._no_split_modules  # the class's list again
+            else:
+                module._no_split_modules = original
         for key in [k for k in vars(module) if k.startswith("_roundalign_")]:
             delattr(module, key)
     return model

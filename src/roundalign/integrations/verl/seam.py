@@ -18,9 +18,8 @@ are final, nothing is wrapped yet. What it finds there, and what it does about i
   ``config._attn_implementation``, so it reaches verl's function as stock attention does; RoPE runs before it on the
   rank's own sequence slice, as in stock HF.
 - **FSDP wrapping by class name.** verl wraps the classes named in ``model._no_split_modules``
-  (``Qwen3DecoderLayer``), matched by ``__class__.__name__``. Aligned layers are ``AlignedQwen3DecoderLayer``, so
-  without a fix FSDP2 would shard the whole model as one unit and FSDP1 would fail to find the class. ``patch_actor``
-  sets the instance's ``_no_split_modules`` to the aligned names.
+  (``Qwen3DecoderLayer``), matched by ``__class__.__name__``. Aligned layers are ``AlignedQwen3DecoderLayer``;
+  ``roundalign.apply`` names them in the instance's ``_no_split_modules`` instead, so each layer stays its own unit.
 
 Afterwards it checks that every module of the family's classes was reached (no HF or Liger class left, no instance
 ``forward``), and raises otherwise: a silent miss would leave the trainer rounding where it did before.
@@ -90,7 +89,7 @@ def patch_actor(module, profile="vllm", **region_overrides) -> PatchReport:
     _undo_liger(module, family, report)
     roundalign.apply(module, profile, allow_non_bf16=True, **region_overrides)  # fp32 here; bf16 compute under FSDP
     report.aligned_modules = _check_reached(module, family)
-    report.fsdp_wrap_classes = _rename_wrap_classes(module, family)
+    report.fsdp_wrap_classes = sorted(getattr(module, "_no_split_modules", None) or [])  # apply renamed them
     report.attn_implementation = getattr(config, "_attn_implementation", None)
     report.verl_attention_patch = _verl_attention_patched()
     report.verl_forward_patch = getattr(type(module).forward, "__module__", "").startswith("verl")
@@ -107,17 +106,10 @@ def import_families() -> None:
 
 
 def _family(model_type: str):
+    # The family module refuses to register classes another library rebound in transformers (ImportError):
+    # ROUNDALIGN_* activation imports every family before verl applies Liger.
     importlib.import_module(f"roundalign.patch.{model_type}")
-    family = FAMILIES[model_type]
-    foreign = [f"{role}={hf_cls.__module__}.{hf_cls.__name__}" for role, (hf_cls, _) in family.swaps.items()
-               if not hf_cls.__module__.startswith("transformers.")]
-    if foreign:
-        raise RuntimeError(
-            f"roundalign.patch.{model_type} was first imported after another library rebound its HF classes "
-            f"({', '.join(foreign)}), so it would patch the wrong classes. Import roundalign.integrations.verl (or "
-            "call its install()) before verl builds the model: the ROUNDALIGN_* activation does this."
-        )
-    return family
+    return FAMILIES[model_type]
 
 
 def _undo_liger(module, family, report: PatchReport) -> None:
@@ -165,13 +157,6 @@ def _check_reached(module, family) -> int:
         raise RuntimeError(f"roundalign did not reach these modules, which would keep their old rounding: "
                            f"{', '.join(missed[:8])}{' ...' if len(missed) > 8 else ''}")
     return count
-
-
-def _rename_wrap_classes(module, family) -> list[str]:
-    renamed = {hf_cls.__name__: aligned_cls.__name__ for hf_cls, aligned_cls in family.swaps.values()}
-    names = [renamed.get(n, n) for n in (getattr(module, "_no_split_modules", None) or [])]
-    module._no_split_modules = names  # an instance attribute: the HF class keeps its own list
-    return names
 
 
 def _verl_attention_patched() -> bool:
