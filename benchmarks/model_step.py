@@ -7,8 +7,9 @@ trainer pays for a whole step. Two models:
 - ``qwen3-0.6b-2l``: Qwen3-0.6B's shape (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 128, the real
   vocab of 151936, tied embeddings as in the real model) cut to 2 layers, random init from a config, bf16.
 
-Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all three
-start from the same weights). Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over the
+Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all
+start from the same weights), and ``aligned+compile_ops`` (``apply(..., compile_ops=True)``: the ops' Inductor-fused
+variants, bitwise equal). Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over the
 model's forward, loss included since HF computes it there; AOTAutograd compiles the backward; the AdamW step stays
 eager). Each round runs one step of every variant in turn (interleaved, so machine drift hits all alike); round 1
 is warm-up (and compilation); the table gives medians and ratios to the stock row of the same case and mode.
@@ -43,7 +44,8 @@ from _machine import machine_info
 
 import roundalign
 
-VARIANTS = ("stock", "aligned", "vllm")  # stock first: the others' ratios divide by it
+# stock first: the others' ratios divide by it. "+compile_ops": apply(..., compile_ops=True), the ops fused by Inductor.
+VARIANTS = ("stock", "aligned", "vllm", "aligned+compile_ops")
 MODES = ("eager", "compiled")
 PASS = "train step"
 # (model, batch, seq, modes, rounds). Sized for about 8 of `make bench`'s 15 minutes on 2 cores, where one eager
@@ -161,7 +163,9 @@ def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int)
     ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     trainers = {}
     for variant in VARIANTS:
-        model = base if variant == "stock" else roundalign.apply(copy.deepcopy(base), variant)
+        profile, _, fused = variant.partition("+")
+        model = base if variant == "stock" else roundalign.apply(copy.deepcopy(base), profile,
+                                                                  compile_ops=fused == "compile_ops")
         if mode == "compiled":
             model.compile()
         trainers[variant] = Trainer(model, ids)

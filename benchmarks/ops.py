@@ -12,6 +12,9 @@ The four regions whose rounding points a profile sets, at Qwen3-0.6B and Qwen3-8
   them over, with HF's own rotary embedding's cos/sin, against ``ops.rope`` per cos/sin dtype x rounding;
 - ``swiglu``: ``Qwen3MLP.act_fn(gate) * up`` (HF's MLP minus its projections) against ``ops.swiglu``.
 
+Every aligned variant also runs as ``<rule>+compile_ops``: the op's Inductor-fused variant (``compiled=True``,
+what ``roundalign.apply(..., compile_ops=True)`` uses), bitwise equal to the eager op.
+
 Each is timed forward (under ``no_grad``) and forward+backward (against fixed random output grads), eager and
 ``torch.compile``'d (Inductor; the same Python callable is compiled for stock and aligned, one fresh compile per
 shape). Every round runs each variant of a case once, in turn; the first round is warm-up (and, compiled, the
@@ -28,6 +31,7 @@ peak of the running sum of the CPU allocations and frees the profiler records du
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -38,6 +42,7 @@ from pathlib import Path
 import torch
 import transformers
 from _machine import machine_info
+from model_step import measure_peak
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from roundalign import ops
@@ -54,6 +59,7 @@ DEFAULT_SEQS = {"qwen3-0.6b": (512, 1024, 2048, 4096), "qwen3-8b": (512, 2048)}
 OPS = ("rms_norm", "add_rms_norm", "rope", "swiglu")
 PASSES = ("forward", "forward+backward")
 EPS = 1e-6
+FUSED = {False: "", True: "+compile_ops"}  # variant-name suffix of the ops' Inductor-fused variants
 ROPE_THETA = 1_000_000.0  # Qwen3-0.6B and Qwen3-8B
 
 
@@ -87,7 +93,10 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
         x = _leaf(1, seq, hidden)
         out = [Variant("stock", lambda x, w: norm(x), (x, norm.weight))]
         for rule in ("round_before_weight", "round_after_weight"):
-            out.append(Variant(rule, lambda x, w, rule=rule: ops.rms_norm(x, w, EPS, rule), (x, norm.weight)))
+            for c in (False, True):
+                out.append(Variant(rule + FUSED[c], lambda x, w, rule=rule, c=c: ops.rms_norm(x, w, EPS, rule,
+                                                                                              compiled=c),
+                                   (x, norm.weight)))
         return out
     if op == "add_rms_norm":
         norm = hf.Qwen3RMSNorm(hidden, eps=EPS).to(torch.bfloat16)
@@ -105,13 +114,13 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
         pairs = [("round_before_weight", "normalize_rounded_sum"), ("round_after_weight", "normalize_rounded_sum"),
                  ("round_after_weight", "normalize_fp32_sum"), ("round_after_weight", "round_at_attention"),
                  ("round_after_weight", "never_round")]
-        for norm_rule, res_rule in pairs:
-            def aligned(a, h, w, norm_rule=norm_rule, res_rule=res_rule):
-                rounded, x = ops.residual_add(a, h, res_rule)  # (R, what the norm reads)
+        for (norm_rule, res_rule), c in itertools.product(pairs, (False, True)):
+            def aligned(a, h, w, norm_rule=norm_rule, res_rule=res_rule, c=c):
+                rounded, x = ops.residual_add(a, h, res_rule, compiled=c)  # (R, what the norm reads)
                 carried = x if res_rule in ("round_at_attention", "never_round") else rounded
-                return ops.rms_norm(x, w, EPS, norm_rule, out_dtype=rounded.dtype), carried
+                return ops.rms_norm(x, w, EPS, norm_rule, out_dtype=rounded.dtype, compiled=c), carried
 
-            out.append(Variant(f"{norm_rule}/{res_rule}", aligned,
+            out.append(Variant(f"{norm_rule}/{res_rule}{FUSED[c]}", aligned,
                                (a, h32 if res_rule == "never_round" else h, norm.weight)))
         return out
     if op == "rope":
@@ -126,20 +135,21 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
 
         out = [Variant("stock", stock, (q, k, cos16, sin16))]
         for cs, (cos, sin) in (("bf16", (cos16, sin16)), ("fp32", (cos32, sin32))):
-            for rounding in ("per_op", "once"):
-                def aligned(q, k, cos, sin, rounding=rounding):  # as AlignedAttention runs it
+            for rounding, c in itertools.product(("per_op", "once"), (False, True)):
+                def aligned(q, k, cos, sin, rounding=rounding, c=c):  # as AlignedAttention runs it
                     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-                    return (ops.rope(q.transpose(1, 2), cos, sin, rounding, out_dtype=torch.bfloat16),
-                            ops.rope(k.transpose(1, 2), cos, sin, rounding, out_dtype=torch.bfloat16))
+                    return (ops.rope(q.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c),
+                            ops.rope(k.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c))
 
-                out.append(Variant(f"{cs}/{rounding}", aligned, (q, k, cos, sin)))
+                out.append(Variant(f"{cs}/{rounding}{FUSED[c]}", aligned, (q, k, cos, sin)))
         return out
     if op == "swiglu":
         mlp = hf.Qwen3MLP(cfg)
         gate, up = _leaf(1, seq, inter), _leaf(1, seq, inter)
         out = [Variant("stock", lambda g, u: mlp.act_fn(g) * u, (gate, up))]
-        for rule in ("round_silu", "once"):
-            out.append(Variant(rule, lambda g, u, rule=rule: ops.swiglu(g, u, rule), (gate, up)))
+        for rule, c in itertools.product(("round_silu", "once"), (False, True)):
+            out.append(Variant(rule + FUSED[c], lambda g, u, rule=rule, c=c: ops.swiglu(g, u, rule, compiled=c),
+                               (gate, up)))
         return out
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
@@ -198,14 +208,13 @@ def saved_bytes(run: Pass) -> int:
 
 
 def peak_bytes(run: Pass) -> int:
-    """Peak of the running sum of the CPU allocations (+) and frees (-) the profiler records during the pass."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
-    peak = level = 0
-    for e in events:
-        level += e.cpu_memory_usage
-        peak = max(peak, level)
+    """Peak of the running sum of the CPU allocations (+) and frees (-) the profiler records during the pass.
+
+    Read from the allocator's own events (``model_step.measure_peak``), not from the per-op events' memory
+    columns: those repeat an allocation in every op that encloses it (``aten::to`` > ``_to_copy`` >
+    ``empty_strided``), which counted each temporary two or three times in the first baseline.
+    """
+    _, peak, _ = measure_peak(run)
     return peak
 
 
@@ -259,12 +268,12 @@ def _x(v) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'op':<13}{'variant':<42}{'mode':<9}{'pass':<17}{'shape':<20}{'ms':>9}{'time':>7}"
+    head = (f"{'op':<13}{'variant':<48}{'mode':<9}{'pass':<17}{'shape':<20}{'ms':>9}{'time':>7}"
             f"{'saved MB':>10}{'saved':>7}{'peak MB':>9}{'peak':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['name']:<13}{r['variant']:<42}{r['mode']:<9}{r['pass']:<17}{r['shape']:<20}{r['time_ms']:>9.3f}"
+        print(f"{r['name']:<13}{r['variant']:<48}{r['mode']:<9}{r['pass']:<17}{r['shape']:<20}{r['time_ms']:>9.3f}"
               f"{_x(r['time_ratio']):>7}{_mb(r['saved_bytes']):>10}{_x(r['saved_ratio']):>7}"
               f"{_mb(r['peak_bytes']):>9}{_x(r['peak_ratio']):>7}")
 

@@ -18,14 +18,16 @@ bench = load("ops")
 
 ROW_KEYS = {"name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_bytes", "saved_ratio",
             "peak_bytes", "peak_ratio"}
-VARIANTS = {
-    "rms_norm": {"stock", "round_before_weight", "round_after_weight"},
-    "add_rms_norm": {"stock", "round_before_weight/normalize_rounded_sum", "round_after_weight/normalize_rounded_sum",
+_RULES = {
+    "rms_norm": {"round_before_weight", "round_after_weight"},
+    "add_rms_norm": {"round_before_weight/normalize_rounded_sum", "round_after_weight/normalize_rounded_sum",
                      "round_after_weight/normalize_fp32_sum", "round_after_weight/round_at_attention",
                      "round_after_weight/never_round"},
-    "rope": {"stock", "bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once"},
-    "swiglu": {"stock", "round_silu", "once"},
+    "rope": {"bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once"},
+    "swiglu": {"round_silu", "once"},
 }
+# stock, every rule, and every rule's Inductor-fused variant (compiled=True)
+VARIANTS = {op: {"stock"} | rules | {f"{r}+compile_ops" for r in rules} for op, rules in _RULES.items()}
 BF16, FP32 = 2, 4
 
 
@@ -77,6 +79,7 @@ def _expected_saved(op: str, variant: str, seq: int) -> int | None:
     """Bytes saved for backward, from what each formula keeps (inputs are leaves; weight is bf16)."""
     hidden, inter, _, _, head_dim = bench.MODELS["tiny"]
     t, h, i, d = seq, hidden, inter, head_dim
+    variant = variant.removesuffix("+compile_ops")  # the fused variant saves what the eager op saves
     if op == "rms_norm":
         if variant == "stock":
             # HF: x.to(fp32) kept by pow and mul; rsqrt's fp32 result (one per row); w and the bf16 normed x.
@@ -110,7 +113,18 @@ def test_saved_bytes_match_the_formulas(eager):
         if want is not None:
             assert r["saved_bytes"] == want, (r["name"], r["variant"], r["shape"])
             checked += 1
-    assert checked == 2 * (3 + 5 + 5 + 3)  # 2 seqs x every variant but stock add_rms_norm
+    assert checked == 2 * (5 + 10 + 9 + 5)  # 2 seqs x every variant but stock add_rms_norm
+
+
+def test_peak_counts_each_allocation_once(eager):
+    """SwiGLU forward: stock HF allocates silu(gate) and the product; the fused op allocates its output only. The
+    peak must say exactly that (a profiler reading that repeats an allocation in every enclosing op would not)."""
+    _, inter, _, _, _ = bench.MODELS["tiny"]
+    t = max(r["seq"] for r in eager["results"])
+    rows = {r["variant"]: r for r in eager["results"] if (r["name"], r["pass"], r["seq"]) == ("swiglu", "forward", t)}
+    assert rows["stock"]["peak_bytes"] == 2 * BF16 * t * inter
+    assert rows["once+compile_ops"]["peak_bytes"] == BF16 * t * inter
+    assert rows["round_silu+compile_ops"]["peak_bytes"] == BF16 * t * inter
 
 
 @pytest.mark.slow

@@ -13,6 +13,14 @@ explicit cast, ``r(t) = t.to(out_dtype)``. This module makes two custom ops from
   backward reads (RoPE's ``x`` and the residual add's operands are not), so the saved activation bytes stay at or
   below stock HF's for the same region.
 
+**The compiled variant** (``compile=True``, registered as ``roundalign::<name>_compiled``; ``apply(...,
+compile_ops=True)`` uses it) runs the same formula, and its VJP, through ``torch.compile`` with Inductor's
+``emulate_precision_casts=True``, which keeps every explicit cast as a rounding point. Inductor then fuses each
+formula into one kernel with no fp32 temporaries in memory. Elementwise arithmetic is the same IEEE operations in
+either mode; a *reduction* is not (Inductor sums in its own order), so a formula with one (RMSNorm's variance, its
+backward's sums) keeps the reduction in an opaque eager op, or keeps its backward eager. tests/test_ops_compiled.py
+checks the compiled variant against the eager one bit for bit.
+
 The gradient is therefore autograd's gradient of the formula itself: a rule that rounds once is written as
 ``(fp32 formula).to(bf16)``, whose casts are straight-through in backward, so its gradient is the gradient of the
 fp32 formula rounded once to the input dtype. A rule that rounds per op (HF's) is written as HF's bf16
@@ -73,6 +81,23 @@ def _unalias(outs: tuple, inputs: tuple) -> tuple:
     return tuple(fresh)
 
 
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` compiled by Inductor with explicit casts kept (rounding points survive fusion), on first call.
+
+    ``dynamic=None``: the first shape compiles static, a second one recompiles with dynamic sizes, so RL's varying
+    sequence lengths do not recompile per length.
+    """
+    compiled = None
+
+    def run(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
+        return compiled(*args)
+
+    return run
+
+
 def define(
     name: str,
     formula: Callable,
@@ -81,6 +106,8 @@ def define(
     n_out: int,
     diff: Sequence[int],
     needed: Sequence[int] | None = None,
+    compile: bool = False,
+    backward_formula: Callable | None = None,
 ):
     """Register ``roundalign::name`` and its backward from ``formula(*tensors, *consts)``.
 
@@ -88,7 +115,9 @@ def define(
     get gradients. ``needed`` indexes the tensor inputs whose values the backward reads (default: all). Leave out
     an input the formula is linear in when nothing else needs its value (RoPE's ``x``, a residual add's operands):
     its vector-Jacobian product does not depend on it, so it is not saved, and the backward recomputes the formula
-    with a zero of the same shape and dtype in its place. Returns a callable with autograd support.
+    with a zero of the same shape and dtype in its place. ``compile``: run the formula and its VJP through Inductor
+    (module docstring). ``backward_formula``: differentiate this one instead, eagerly (an equal formula whose
+    backward's reductions must stay ATen's). Returns a callable with autograd support.
     """
     t_args = ", ".join(f"Tensor {t}" for t in tensors)
     c_args = "".join(f", {ty} {n}" for ty, n in consts)
@@ -98,18 +127,25 @@ def define(
     nt = len(tensors)
     needed = tuple(range(nt)) if needed is None else tuple(needed)
 
+    run_formula = _compiled(formula) if compile else formula
+
     def forward_impl(*args):
         with torch.no_grad():
-            return formula(*args)
+            return run_formula(*args)
 
     fwd = torch.library.custom_op(
         f"roundalign::{name}", forward_impl, mutates_args=(), schema=f"({t_args}{c_args}) -> {outs}"
     )
     fwd.register_fake(formula)
 
+    def vjp(grads, tensors_, consts_):
+        return _vjp(backward_formula or formula, tensors_, consts_, grads, diff)
+
+    run_vjp = _compiled(vjp) if compile and backward_formula is None else vjp
+
     def backward_impl(*args):
         grads, rest = args[:n_out], args[n_out:]
-        got = _unalias(_vjp(formula, rest[:nt], rest[nt:], grads, diff), args)
+        got = _unalias(run_vjp(tuple(grads), tuple(rest[:nt]), tuple(rest[nt:])), args)
         return got if len(diff) > 1 else got[0]
 
     bwd = torch.library.custom_op(

@@ -28,11 +28,22 @@ from roundalign.ops._custom import compute_dtype, default_out_dtype, define
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
+def _rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """nu(x) = rsqrt(mean(x^2) + eps) in fp32, with ATen's reduction order."""
+    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# The same nu(x) as an op Inductor cannot see into, for the compiled variant: Inductor would sum the squares in its
+# own order, and a last-bit change of the variance moves a few outputs across a rounding tie.
+_rstd_op = torch.library.custom_op("roundalign::rms_rstd", lambda x32, eps: _rstd(x32, eps), mutates_args=(),
+                                   schema="(Tensor x32, float eps) -> Tensor")
+_rstd_op.register_fake(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
+
+
+def _normalize(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd):
     acc = compute_dtype(x)
     x32 = x.to(acc)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    normed = x32 * torch.rsqrt(variance + eps)  # x * nu(x), fp32
+    normed = x32 * rstd(x32, eps)  # x * nu(x), fp32
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:
         return weight * normed.to(out_dtype)  # r(w * r(x * nu(x))): HF's expression, weight on the left
     if rule == RMSNormRule.ROUND_AFTER_WEIGHT:
@@ -40,6 +51,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_
     if rule == QKNormRule.FUSED_INTO_ROPE:
         return normed * weight.to(acc)  # x * nu(x) * w, left unrounded for RoPE
     raise ValueError(f"unknown rms_norm rule {rule!r}")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
+    return _normalize(x, weight, eps, rule, out_dtype, _rstd)
+
+
+def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
+    return _normalize(x, weight, eps, rule, out_dtype, _rstd_op)
 
 
 def _add_rounded(a: torch.Tensor, h: torch.Tensor):
@@ -51,12 +70,17 @@ def _add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype):
     return s.to(out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
 
 
-_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], [("float", "eps"), ("str", "rule"),
-                                                                 ("ScalarType", "out_dtype")], 1, [0, 1])
+_RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
+_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1])
+# Compiled: the elementwise part fused by Inductor; the variance, and the backward (its sums), stay ATen's.
+_rms_norm_compiled_op = define("rms_norm_compiled", _rms_norm_opaque_rstd, ["x", "weight"], _RMS_CONSTS, 1, [0, 1],
+                               compile=True, backward_formula=_rms_norm)
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
 _add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
                           needed=[])
+_add_fp32_sum_compiled_op = define("add_fp32_sum_compiled", _add_fp32_sum, ["a", "h"],
+                                   [("ScalarType", "out_dtype")], 2, [0, 1], needed=[], compile=True)
 
 
 def rms_norm(
@@ -65,8 +89,9 @@ def rms_norm(
     eps: float,
     rule: RMSNormRule | QKNormRule | str,
     out_dtype: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm of ``x`` over its last dim under ``rule``.
+    """RMSNorm of ``x`` over its last dim under ``rule``. ``compiled``: the Inductor-fused variant, bitwise equal.
 
     ``out_dtype`` is the dtype ``r(.)`` rounds to; by default the weight's dtype (the model dtype), or ``x``'s
     when the weight is fp32 (``default_out_dtype``). The ``fused_into_rope`` rule returns fp32 for the RoPE op to
@@ -76,11 +101,12 @@ def rms_norm(
     if rule not in {r.value for r in QKNormRule}:  # RMSNormRule's rules plus fused_into_rope
         raise ValueError(f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
                          "or fused_into_rope (q/k norm only)")
-    return _rms_norm_op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight, x))
+    op = _rms_norm_compiled_op if compiled else _rms_norm_op
+    return op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight, x))
 
 
 def residual_add(
-    a: torch.Tensor, h: torch.Tensor, rule: ResidualRule | str
+    a: torch.Tensor, h: torch.Tensor, rule: ResidualRule | str, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``h + a`` under ``rule``: returns ``(R, x_for_norm)``.
 
@@ -93,7 +119,8 @@ def residual_add(
     if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
         r = _add_rounded_op(a, h)
         return r, r
-    return _add_fp32_sum_op(a, h, default_out_dtype(h, a))
+    op = _add_fp32_sum_compiled_op if compiled else _add_fp32_sum_op
+    return op(a, h, default_out_dtype(h, a))
 
 
 def add_rms_norm(
@@ -103,7 +130,8 @@ def add_rms_norm(
     eps: float,
     norm_rule: RMSNormRule | str,
     residual_rule: ResidualRule | str,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm, as engines run it: returns ``(norm output, R)``."""
-    residual, x = residual_add(a, h, residual_rule)
-    return rms_norm(x, weight, eps, norm_rule, out_dtype=residual.dtype), residual
+    residual, x = residual_add(a, h, residual_rule, compiled)
+    return rms_norm(x, weight, eps, norm_rule, out_dtype=residual.dtype, compiled=compiled), residual

@@ -37,8 +37,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, 
 
 
 # RoPE is linear in x: the backward needs cos and sin only, so x is not saved.
-_rope_op = define("rope", _rope, ["x", "cos", "sin"], [("str", "rounding"), ("ScalarType", "out_dtype")], 1, [0],
-                  needed=[1, 2])
+_ROPE_CONSTS = [("str", "rounding"), ("ScalarType", "out_dtype")]
+_rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2])
+_rope_compiled_op = define("rope_compiled", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2],
+                           compile=True)
 
 
 def rope(
@@ -47,13 +49,16 @@ def rope(
     sin: torch.Tensor,
     rounding: RopeRounding | str,
     out_dtype: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Rotate ``x`` (..., head_dim) by ``cos``/``sin`` broadcastable to it, rounding per ``rounding``.
 
-    ``out_dtype`` defaults to ``x``'s dtype; when ``x`` is an fp32 norm output, to the 16-bit dtype of a c16
+    ``compiled``: the Inductor-fused variant, bitwise equal (``roundalign.ops._custom``). ``out_dtype`` defaults to
+    ``x``'s dtype; when ``x`` is an fp32 norm output, to the 16-bit dtype of a c16
     ``cos``/``sin`` (the model's), else bf16 (``default_out_dtype``). Callers that know the model dtype pass it.
     """
     rounding = RopeRounding.parse(rounding, "rope rounding")
     if x.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {x.shape[-1]}")
-    return _rope_op(x, cos, sin, rounding.value, out_dtype or default_out_dtype(x, cos, sin))
+    op = _rope_compiled_op if compiled else _rope_op
+    return op(x, cos, sin, rounding.value, out_dtype or default_out_dtype(x, cos, sin))

@@ -26,11 +26,13 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
 
 
 _swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1])
+_swiglu_compiled_op = define("swiglu_compiled", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], compile=True)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: SwiGLURule | str) -> torch.Tensor:
-    """``silu(gate) * up`` under ``rule``; the output has ``gate``'s dtype."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: SwiGLURule | str, compiled: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` under ``rule``; the output has ``gate``'s dtype. ``compiled``: the Inductor-fused
+    variant, bitwise equal (``roundalign.ops._custom``)."""
     rule = SwiGLURule.parse(rule, "swiglu")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    return _swiglu_op(gate, up, rule.value)
+    return (_swiglu_compiled_op if compiled else _swiglu_op)(gate, up, rule.value)

@@ -55,7 +55,8 @@ def _check_dtype(model, allow_non_bf16: bool) -> None:
     )
 
 
-def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = False, **region_overrides):
+def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = False, compile_ops: bool = False,
+          **region_overrides):
     """Patch ``model`` in place so that its trainer numerics round where ``profile``'s engine does.
 
     Args:
@@ -64,16 +65,20 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
         allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it). fp32 parameters
             under FSDP2 mixed precision or autocast compute what the bf16 model with weights ``r(W)`` computes
             (``roundalign.mixed_precision``); an fp16 model rounds at the profile's rounding points to fp16.
+        compile_ops: run the ops' Inductor-fused variants (``roundalign.ops._custom``): one kernel per op, no fp32
+            temporaries in memory, bitwise equal to the eager ops (tests/test_ops_compiled.py). Each op compiles
+            on its first call (seconds); needs a C++ compiler on the CPU, Triton on GPUs. Numerics do not change.
         **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
 
     Returns the model. ``hf`` (stock HF eager) leaves every module as it is and only records the profile.
-    Applying the same profile twice is a no-op; applying a different one raises: ``revert`` first.
+    Applying the same profile twice only updates ``compile_ops``; applying a different one raises: ``revert`` first.
     """
     prof = get_profile(profile).replace(**region_overrides)
     family = _family_of(model)
     current = patched_profile(model)
     if current is not None:
         if current == prof:
+            _set_compile_ops(model, compile_ops)
             return model
         raise RuntimeError(
             f"model is already patched with profile {current.name!r}; call roundalign.revert(model) before "
@@ -83,8 +88,15 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
     config = model.config
     if prof.name != "hf":
         _patch_modules(model, family, prof, config)
+        _set_compile_ops(model, compile_ops)
     model._roundalign_profile = prof
     return model
+
+
+def _set_compile_ops(model, compile_ops: bool) -> None:
+    for module in model.modules():
+        if hasattr(type(module), "_roundalign_compile_ops"):
+            module._roundalign_compile_ops = bool(compile_ops)
 
 
 def _patch_modules(model, family: Family, prof: Profile, config) -> None:

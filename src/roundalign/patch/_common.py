@@ -59,7 +59,14 @@ def _layer_input(hidden_states):
     return rounded, x
 
 
-class AlignedRMSNorm:
+class _Aligned:
+    """What every aligned mixin shares: whether its ops run their Inductor-fused variants (``apply(...,
+    compile_ops=True)``; bitwise equal to the eager ones, tests/test_ops_compiled.py)."""
+
+    _roundalign_compile_ops = False
+
+
+class AlignedRMSNorm(_Aligned):
     """RMSNorm with ``_roundalign_rule``; reads the fp32 sum when handed an ``(R, S)`` pair (the final norm)."""
 
     _roundalign_rule: str
@@ -67,25 +74,27 @@ class AlignedRMSNorm:
     def forward(self, hidden_states):
         _, x = _carried(hidden_states)
         low = low_dtype(self.weight, x)  # the weight's (model's) 16-bit dtype, or autocast's
-        return ops.rms_norm(x, engine_weight(self.weight, low), self.variance_epsilon, self._roundalign_rule, low)
+        return ops.rms_norm(x, engine_weight(self.weight, low), self.variance_epsilon, self._roundalign_rule, low,
+                            compiled=self._roundalign_compile_ops)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, rule={self._roundalign_rule}"
 
 
-class AlignedMLP:
+class AlignedMLP(_Aligned):
     """Dense SwiGLU MLP: ``down(swiglu(gate(x), up(x)))`` with ``_roundalign_rule``."""
 
     _roundalign_rule: SwiGLURule
 
     def forward(self, x):
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self._roundalign_rule))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.swiglu(gate, up, self._roundalign_rule, compiled=self._roundalign_compile_ops))
 
     def extra_repr(self) -> str:
         return f"swiglu={self._roundalign_rule}"
 
 
-class AlignedAttention:
+class AlignedAttention(_Aligned):
     """HF attention with RoPE (and Qwen3's q/k norm) through ``roundalign.ops``; projections and kernel unchanged."""
 
     _roundalign_rope: RopeRounding
@@ -106,8 +115,9 @@ class AlignedAttention:
         cos, sin = position_embeddings  # (B, T, D), dtype per the profile's cos/sin rule
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         low = value.dtype
-        query = ops.rope(query.transpose(1, 2), cos, sin, self._roundalign_rope, out_dtype=low)  # (B, H, T, D)
-        key = ops.rope(key.transpose(1, 2), cos, sin, self._roundalign_rope, out_dtype=low)
+        fused = self._roundalign_compile_ops
+        query = ops.rope(query.transpose(1, 2), cos, sin, self._roundalign_rope, low, fused)  # (B, H, T, D)
+        key = ops.rope(key.transpose(1, 2), cos, sin, self._roundalign_rope, low, fused)
 
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
@@ -132,7 +142,7 @@ class AlignedAttention:
         return f"rope={self._roundalign_rope}"
 
 
-class AlignedDecoderLayer:
+class AlignedDecoderLayer(_Aligned):
     """Pre-norm decoder layer whose residual adds follow ``_roundalign_residual`` (see the module docstring)."""
 
     _roundalign_residual: ResidualRule
@@ -164,12 +174,12 @@ class AlignedDecoderLayer:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        rounded, x = ops.residual_add(x, residual, rule)  # R, and what the norm reads
+        rounded, x = ops.residual_add(x, residual, rule, self._roundalign_compile_ops)  # R, and what the norm reads
         # Carried into the MLP's add: R, except where a compiled engine keeps the post-attention sum in fp32.
         residual = x if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else rounded
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
-        rounded, x = ops.residual_add(x, residual, rule)
+        rounded, x = ops.residual_add(x, residual, rule, self._roundalign_compile_ops)
         if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
             return rounded
         return rounded, Carry(x)  # (R, S): the next norm reads S; the next layer carries R, or S under never_round
@@ -191,7 +201,7 @@ def _check_checkpointing(layer) -> None:
         )
 
 
-class AlignedExperts:
+class AlignedExperts(_Aligned):
     """MoE experts (HF ``*Experts`` with 3D gate_up_proj/down_proj) with ``_roundalign_rule`` for their SwiGLU."""
 
     _roundalign_rule: SwiGLURule
@@ -199,7 +209,7 @@ class AlignedExperts:
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         # Used by HF's grouped_mm / batched_mm expert implementations, and by the eager loop below.
         gate, up = gate_up_out.chunk(2, dim=-1)
-        return ops.swiglu(gate, up, self._roundalign_rule)
+        return ops.swiglu(gate, up, self._roundalign_rule, compiled=self._roundalign_compile_ops)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         experts = _EngineWeights.of(self, low_dtype(hidden_states))
