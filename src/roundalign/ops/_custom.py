@@ -98,6 +98,17 @@ def _compiled(fn: Callable) -> Callable:
     return run
 
 
+def _as_rows(tensors) -> tuple:
+    """Tensors of rank >= 2 as 2-D rows over their last dim (a view when possible); 1-D ones (weights) as they are."""
+    return tuple(t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t for t in tensors)
+
+
+def _reshaped(outs, shapes):
+    if isinstance(outs, torch.Tensor):
+        return outs.reshape(shapes[0])
+    return tuple(t.reshape(shape) for t, shape in zip(outs, shapes, strict=True))
+
+
 def define(
     name: str,
     formula: Callable,
@@ -108,6 +119,7 @@ def define(
     needed: Sequence[int] | None = None,
     compile: bool = False,
     backward_formula: Callable | None = None,
+    rowwise: bool = False,
 ):
     """Register ``roundalign::name`` and its backward from ``formula(*tensors, *consts)``.
 
@@ -117,7 +129,10 @@ def define(
     its vector-Jacobian product does not depend on it, so it is not saved, and the backward recomputes the formula
     with a zero of the same shape and dtype in its place. ``compile``: run the formula and its VJP through Inductor
     (module docstring). ``backward_formula``: differentiate this one instead, eagerly (an equal formula whose
-    backward's reductions must stay ATen's). Returns a callable with autograd support.
+    backward's reductions must stay ATen's). ``rowwise``: the formula works row by row over the last dim, and every
+    output has the first input's shape, so the compiled variant sees 2-D rows whatever the caller's rank (one graph
+    for (B, T, H) activations and (B, T, heads, D) q/k alike: fewer recompiles). Returns a callable with autograd
+    support.
     """
     t_args = ", ".join(f"Tensor {t}" for t in tensors)
     c_args = "".join(f", {ty} {n}" for ty, n in consts)
@@ -128,10 +143,14 @@ def define(
     needed = tuple(range(nt)) if needed is None else tuple(needed)
 
     run_formula = _compiled(formula) if compile else formula
+    rows = compile and rowwise
 
     def forward_impl(*args):
         with torch.no_grad():
-            return run_formula(*args)
+            if not rows:
+                return run_formula(*args)
+            outs = run_formula(*_as_rows(args[:nt]), *args[nt:])
+            return _reshaped(outs, [args[0].shape] * n_out)
 
     fwd = torch.library.custom_op(
         f"roundalign::{name}", forward_impl, mutates_args=(), schema=f"({t_args}{c_args}) -> {outs}"
@@ -145,7 +164,12 @@ def define(
 
     def backward_impl(*args):
         grads, rest = args[:n_out], args[n_out:]
-        got = _unalias(run_vjp(tuple(grads), tuple(rest[:nt]), tuple(rest[nt:])), args)
+        if rows and backward_formula is None:
+            got = run_vjp(_as_rows(grads), _as_rows(rest[:nt]), tuple(rest[nt:]))
+            got = _reshaped(got, [rest[i].shape for i in diff])
+        else:
+            got = run_vjp(tuple(grads), tuple(rest[:nt]), tuple(rest[nt:]))
+        got = _unalias(got, args)
         return got if len(diff) > 1 else got[0]
 
     bwd = torch.library.custom_op(

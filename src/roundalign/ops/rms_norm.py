@@ -74,13 +74,14 @@ _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
 _rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1])
 # Compiled: the elementwise part fused by Inductor; the variance, and the backward (its sums), stay ATen's.
 _rms_norm_compiled_op = define("rms_norm_compiled", _rms_norm_opaque_rstd, ["x", "weight"], _RMS_CONSTS, 1, [0, 1],
-                               compile=True, backward_formula=_rms_norm)
+                               compile=True, backward_formula=_rms_norm, rowwise=True)
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
 _add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
                           needed=[])
 _add_fp32_sum_compiled_op = define("add_fp32_sum_compiled", _add_fp32_sum, ["a", "h"],
-                                   [("ScalarType", "out_dtype")], 2, [0, 1], needed=[], compile=True)
+                                   [("ScalarType", "out_dtype")], 2, [0, 1], needed=[], compile=True,
+                                   rowwise=True)
 
 
 def rms_norm(

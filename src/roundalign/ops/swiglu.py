@@ -26,7 +26,8 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
 
 
 _swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1])
-_swiglu_compiled_op = define("swiglu_compiled", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], compile=True)
+_swiglu_compiled_op = define("swiglu_compiled", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], compile=True,
+                             rowwise=True)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: SwiGLURule | str, compiled: bool = False) -> torch.Tensor:
