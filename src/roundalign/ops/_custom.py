@@ -29,6 +29,7 @@ expression, so its gradient is stock HF's, bit for bit.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -82,17 +83,22 @@ def _unalias(outs: tuple, inputs: tuple) -> tuple:
 
 
 def _compiled(fn: Callable) -> Callable:
-    """``fn`` compiled by Inductor with explicit casts kept (rounding points survive fusion), on first call.
+    """``run(key, *args)``: ``fn(*args)`` compiled by Inductor with explicit casts kept, one compile per ``key``.
 
+    ``key`` is the op's constants (rule, dtype, eps): each gets its own copy of ``fn``'s code object, because
+    Dynamo caches graphs, and counts recompiles against its limit of 8, per code object. Sharing one would let the
+    rules of every model in the process, and their dtype and shape variants, evict each other into eager fallback.
     ``dynamic=None``: the first shape compiles static, a second one recompiles with dynamic sizes, so RL's varying
     sequence lengths do not recompile per length.
     """
-    compiled = None
+    cache: dict = {}
 
-    def run(*args):
-        nonlocal compiled
+    def run(key, *args):
+        compiled = cache.get(key)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+            compiled = cache[key] = torch.compile(own, dynamic=None, options={"emulate_precision_casts": True})
         return compiled(*args)
 
     return run
@@ -147,9 +153,11 @@ def define(
 
     def forward_impl(*args):
         with torch.no_grad():
+            if not compile:
+                return formula(*args)
             if not rows:
-                return run_formula(*args)
-            outs = run_formula(*_as_rows(args[:nt]), *args[nt:])
+                return run_formula(args[nt:], *args)
+            outs = run_formula(args[nt:], *_as_rows(args[:nt]), *args[nt:])
             return _reshaped(outs, [args[0].shape] * n_out)
 
     fwd = torch.library.custom_op(
@@ -160,7 +168,12 @@ def define(
     def vjp(grads, tensors_, consts_):
         return _vjp(backward_formula or formula, tensors_, consts_, grads, diff)
 
-    run_vjp = _compiled(vjp) if compile and backward_formula is None else vjp
+    compiled_vjp = _compiled(vjp) if compile and backward_formula is None else None
+
+    def run_vjp(grads_, tensors_, consts_):
+        if compiled_vjp is None:
+            return vjp(grads_, tensors_, consts_)
+        return compiled_vjp(consts_, grads_, tensors_, consts_)
 
     def backward_impl(*args):
         grads, rest = args[:n_out], args[n_out:]
