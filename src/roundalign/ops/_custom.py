@@ -124,7 +124,7 @@ def define(
     diff: Sequence[int],
     needed: Sequence[int] | None = None,
     compile: bool = False,
-    backward_formula: Callable | None = None,
+    backward: Callable | None = None,
     rowwise: bool = False,
 ):
     """Register ``roundalign::name`` and its backward from ``formula(*tensors, *consts)``.
@@ -134,8 +134,10 @@ def define(
     an input the formula is linear in when nothing else needs its value (RoPE's ``x``, a residual add's operands):
     its vector-Jacobian product does not depend on it, so it is not saved, and the backward recomputes the formula
     with a zero of the same shape and dtype in its place. ``compile``: run the formula and its VJP through Inductor
-    (module docstring). ``backward_formula``: differentiate this one instead, eagerly (an equal formula whose
-    backward's reductions must stay ATen's). ``rowwise``: the formula works row by row over the last dim, and every
+    (module docstring). ``backward(*grads, *tensors, *consts)``: the formula's backward written out, returning the
+    ``diff`` inputs' gradients; it runs eagerly in place of the VJP (for a backward whose sums must stay ATen's, or
+    one worth sparing functorch's per-call cost) and must equal autograd's bitwise, which the gradient tests check.
+    ``rowwise``: the formula works row by row over the last dim, and every
     output has the first input's shape, so the compiled variant sees 2-D rows whatever the caller's rank (one graph
     for (B, T, H) activations and (B, T, heads, D) q/k alike: fewer recompiles). Returns a callable with autograd
     support.
@@ -166,9 +168,12 @@ def define(
     fwd.register_fake(formula)
 
     def vjp(grads, tensors_, consts_):
-        return _vjp(backward_formula or formula, tensors_, consts_, grads, diff)
+        if backward is not None:
+            got = backward(*grads, *tensors_, *consts_)
+            return got if isinstance(got, tuple) else (got,)
+        return _vjp(formula, tensors_, consts_, grads, diff)
 
-    compiled_vjp = _compiled(vjp) if compile and backward_formula is None else None
+    compiled_vjp = _compiled(vjp) if compile and backward is None else None
 
     def run_vjp(grads_, tensors_, consts_):
         if compiled_vjp is None:
@@ -177,7 +182,7 @@ def define(
 
     def backward_impl(*args):
         grads, rest = args[:n_out], args[n_out:]
-        if rows and backward_formula is None:
+        if rows and compiled_vjp is not None:
             got = run_vjp(_as_rows(grads), _as_rows(rest[:nt]), tuple(rest[nt:]))
             got = _reshaped(got, [rest[i].shape for i in diff])
         else:
@@ -203,7 +208,7 @@ def define(
         ctx.unsaved = {i: (t.shape, t.dtype, t.device) for i, t in enumerate(inputs[:nt]) if i not in needed}
         ctx.consts = inputs[nt:]
 
-    def backward(ctx, *grads):
+    def autograd_backward(ctx, *grads):
         saved = dict(zip(needed, ctx.saved_tensors, strict=True))
         for i, (shape, dtype, device) in ctx.unsaved.items():
             saved[i] = torch.zeros((), dtype=dtype, device=device).expand(shape)  # stands in for an unsaved input
@@ -214,5 +219,5 @@ def define(
             per_input[i] = g
         return tuple(per_input)
 
-    fwd.register_autograd(backward, setup_context=setup_context)
+    fwd.register_autograd(autograd_backward, setup_context=setup_context)
     return fwd

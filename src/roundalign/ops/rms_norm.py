@@ -57,6 +57,31 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_
     return _normalize(x, weight, eps, rule, out_dtype, _rstd)
 
 
+def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str,
+                       out_dtype: torch.dtype):
+    """Autograd's backward of ``_rms_norm``, written out op for op (PyTorch's derivatives.yaml), so that it is the
+    same bits without the cost of recording and replaying a graph under ``torch.func.vjp`` on every call."""
+    acc = compute_dtype(x)
+    x32 = x.to(acc)
+    rstd = _rstd(x32, eps)
+    normed = x32 * rstd
+    if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
+        grad_w = (grad * normed.to(out_dtype)).sum_to_size(weight.shape)  # MulBackward, then the broadcast's sum
+        grad_normed = (grad * weight).to(acc)  # MulBackward, then the cast's backward
+    elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
+        g32 = grad.to(acc)
+        grad_w = (g32 * normed).sum_to_size(weight.shape).to(weight.dtype)
+        grad_normed = g32 * weight.to(acc)
+    else:
+        raise ValueError(f"unknown rms_norm rule {rule!r}")
+    grad_x32 = grad_normed * rstd  # normed = x32 * rstd
+    grad_rstd = (grad_normed * x32).sum_to_size(rstd.shape)
+    grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
+    grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
+    grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
+    return grad_x32.to(x.dtype), grad_w
+
+
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
     return _normalize(x, weight, eps, rule, out_dtype, _rstd_op)
 
@@ -70,18 +95,26 @@ def _add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype):
     return s.to(out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
 
 
+def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype):
+    """Autograd's backward of ``_add_fp32_sum``: S's gradient is its own plus R's widened; the add hands it to both
+    operands, each cast back to its dtype. (``a`` and ``h`` are shape-only stand-ins: nothing reads their values.)"""
+    g = grad_s + grad_r.to(grad_s.dtype)
+    return g.to(a.dtype), g.to(h.dtype)
+
+
 _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
-_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1])
+_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward)
 # Compiled: the elementwise part fused by Inductor; the variance, and the backward (its sums), stay ATen's.
+# Both backward ops run autograd's derivative formulas directly (``_rms_norm_backward``).
 _rms_norm_compiled_op = define("rms_norm_compiled", _rms_norm_opaque_rstd, ["x", "weight"], _RMS_CONSTS, 1, [0, 1],
-                               compile=True, backward_formula=_rms_norm, rowwise=True)
+                               compile=True, backward=_rms_norm_backward, rowwise=True)
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
 _add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
-                          needed=[])
+                          needed=[], backward=_add_fp32_sum_backward)
 _add_fp32_sum_compiled_op = define("add_fp32_sum_compiled", _add_fp32_sum, ["a", "h"],
                                    [("ScalarType", "out_dtype")], 2, [0, 1], needed=[], compile=True,
-                                   rowwise=True)
+                                   backward=_add_fp32_sum_backward, rowwise=True)
 
 
 def rms_norm(

@@ -36,9 +36,35 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, 
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 
+def _rotate_half_backward(g: torch.Tensor) -> torch.Tensor:
+    """The gradient through ``rotate_half``: ``(g1, g2) -> (g2, -g1)``, exact."""
+    g1, g2 = g.chunk(2, dim=-1)
+    return torch.cat((g2, -g1), dim=-1)
+
+
+def _rope_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """Autograd's backward of ``_rope`` with respect to ``x``, op for op, without replaying it under
+    ``torch.func.vjp``. ``x`` is a shape-and-dtype stand-in (RoPE is linear in it: its values are not saved)."""
+    shape = x.shape  # a product's gradient is summed back to x's shape where cos/sin broadcast x
+    if rounding == RopeRounding.PER_OP:
+        # Each product's gradient comes back in the product's dtype and is cast to x's before the two are added,
+        # in x's dtype, as autograd accumulates them.
+        g_cos = grad.to(torch.promote_types(x.dtype, cos.dtype))
+        g_sin = grad.to(torch.promote_types(x.dtype, sin.dtype))
+        via_cos = (g_cos * cos).sum_to_size(shape).to(x.dtype)
+        return via_cos + _rotate_half_backward((g_sin * sin).sum_to_size(shape).to(x.dtype))
+    if rounding == RopeRounding.ONCE:
+        acc = compute_dtype(x)
+        g = grad.to(acc)
+        via_cos = (g * cos.to(acc)).sum_to_size(shape)
+        return (via_cos + _rotate_half_backward((g * sin.to(acc)).sum_to_size(shape))).to(x.dtype)
+    raise ValueError(f"unknown rope rounding {rounding!r}")
+
+
 # RoPE is linear in x: the backward needs cos and sin only, so x is not saved.
 _ROPE_CONSTS = [("str", "rounding"), ("ScalarType", "out_dtype")]
-_rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2])
+_rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2], backward=_rope_backward)
 _rope_compiled_op = define("rope_compiled", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2],
                            compile=True)
 
