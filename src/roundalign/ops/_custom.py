@@ -18,7 +18,7 @@ compile_ops=True)`` uses it) runs the same formula, and its VJP, through ``torch
 ``emulate_precision_casts=True``, which keeps every explicit cast as a rounding point. Inductor then fuses each
 formula into one kernel with no fp32 temporaries in memory. Elementwise arithmetic is the same IEEE operations in
 either mode; a *reduction* is not (Inductor sums in its own order), so a formula with one (RMSNorm's variance, its
-backward's sums) keeps the reduction in an opaque eager op, or keeps its backward eager. tests/test_ops_compiled.py
+backward's sums) keeps each reduction in an opaque ATen op inside the fused kernel chain. tests/test_ops_compiled.py
 checks the compiled variant against the eager one bit for bit.
 
 The gradient is therefore autograd's gradient of the formula itself: a rule that rounds once is written as
@@ -135,8 +135,8 @@ def define(
     its vector-Jacobian product does not depend on it, so it is not saved, and the backward recomputes the formula
     with a zero of the same shape and dtype in its place. ``compile``: run the formula and its VJP through Inductor
     (module docstring). ``backward(*grads, *tensors, *consts)``: the formula's backward written out, returning the
-    ``diff`` inputs' gradients; it runs eagerly in place of the VJP (for a backward whose sums must stay ATen's, or
-    one worth sparing functorch's per-call cost) and must equal autograd's bitwise, which the gradient tests check.
+    ``diff`` inputs' gradients; it runs in place of the VJP (eagerly, or through Inductor in the fused variant),
+    spares functorch's per-call cost, and must equal autograd's bitwise, which the gradient tests check.
     ``rowwise``: the formula works row by row over the last dim, and every
     output has the first input's shape, so the compiled variant sees 2-D rows whatever the caller's rank (one graph
     for (B, T, H) activations and (B, T, heads, D) q/k alike: fewer recompiles). Returns a callable with autograd
@@ -173,7 +173,7 @@ def define(
             return got if isinstance(got, tuple) else (got,)
         return _vjp(formula, tensors_, consts_, grads, diff)
 
-    compiled_vjp = _compiled(vjp) if compile and backward is None else None
+    compiled_vjp = _compiled(vjp) if compile else None
 
     def run_vjp(grads_, tensors_, consts_):
         if compiled_vjp is None:

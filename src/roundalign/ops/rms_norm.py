@@ -57,29 +57,47 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_
     return _normalize(x, weight, eps, rule, out_dtype, _rstd)
 
 
-def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str,
-                       out_dtype: torch.dtype):
-    """Autograd's backward of ``_rms_norm``, written out op for op (PyTorch's derivatives.yaml), so that it is the
-    same bits without the cost of recording and replaying a graph under ``torch.func.vjp`` on every call."""
+def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to):
+    """Autograd's backward of ``_normalize``, written out op for op (PyTorch's derivatives.yaml): the same bits
+    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
+    ``sum_to(t, shape)`` are the two reductions, so that the fused variant can keep them ATen's."""
     acc = compute_dtype(x)
     x32 = x.to(acc)
-    rstd = _rstd(x32, eps)
+    rstd = rstd_fn(x32, eps)
     normed = x32 * rstd
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
-        grad_w = (grad * normed.to(out_dtype)).sum_to_size(weight.shape)  # MulBackward, then the broadcast's sum
+        grad_w = sum_to(grad * normed.to(out_dtype), weight.shape)  # MulBackward, then the broadcast's sum
         grad_normed = (grad * weight).to(acc)  # MulBackward, then the cast's backward
     elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
         g32 = grad.to(acc)
-        grad_w = (g32 * normed).sum_to_size(weight.shape).to(weight.dtype)
+        grad_w = sum_to(g32 * normed, weight.shape).to(weight.dtype)
         grad_normed = g32 * weight.to(acc)
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
-    grad_rstd = (grad_normed * x32).sum_to_size(rstd.shape)
+    grad_rstd = sum_to(grad_normed * x32, rstd.shape)
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
     return grad_x32.to(x.dtype), grad_w
+
+
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    return t.sum_to_size(shape)
+
+
+# The backward's sums as an op Inductor cannot see into (it would sum in its own order), for the fused variant.
+_sum_to_op = torch.library.custom_op("roundalign::sum_to", lambda t, size: t.sum_to_size(size), mutates_args=(),
+                                     schema="(Tensor t, SymInt[] size) -> Tensor")
+_sum_to_op.register_fake(lambda t, size: t.new_empty(size))
+
+
+def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd, _sum_to)
+
+
+def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd_op, _sum_to_op)
 
 
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
@@ -104,10 +122,10 @@ def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype):
 
 _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
 _rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward)
-# Compiled: the elementwise part fused by Inductor; the variance, and the backward (its sums), stay ATen's.
-# Both backward ops run autograd's derivative formulas directly (``_rms_norm_backward``).
+# Fused: Inductor fuses the elementwise work of the forward and of the written-out backward; the variance and the
+# backward's two sums run as opaque ATen ops inside, in ATen's order.
 _rms_norm_compiled_op = define("rms_norm_compiled", _rms_norm_opaque_rstd, ["x", "weight"], _RMS_CONSTS, 1, [0, 1],
-                               compile=True, backward=_rms_norm_backward, rowwise=True)
+                               compile=True, backward=_rms_norm_backward_opaque_sums, rowwise=True)
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
 _add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
