@@ -14,7 +14,7 @@ explicit cast, ``r(t) = t.to(out_dtype)``. This module makes two custom ops from
   below stock HF's for the same region.
 
 **The compiled variant** (``compile=True``, registered as ``roundalign::<name>_compiled``; ``apply(...,
-compile_ops=True)`` uses it) runs the same formula, and its VJP, through ``torch.compile`` with Inductor's
+compile_ops=True)`` uses it) runs the same formula, and its backward, through ``torch.compile`` with Inductor's
 ``emulate_precision_casts=True``, which keeps every explicit cast as a rounding point. Inductor then fuses each
 formula into one kernel with no fp32 temporaries in memory. Elementwise arithmetic is the same IEEE operations in
 either mode; a *reduction* is not (Inductor sums in its own order), so a formula with one (RMSNorm's variance, its
@@ -150,43 +150,40 @@ def define(
     nt = len(tensors)
     needed = tuple(range(nt)) if needed is None else tuple(needed)
 
-    run_formula = _compiled(formula) if compile else formula
-    rows = compile and rowwise
+    fused_formula = _compiled(formula) if compile else None
 
     def forward_impl(*args):
+        ts, consts_ = args[:nt], args[nt:]  # the tensor inputs, the constants
         with torch.no_grad():
-            if not compile:
+            if fused_formula is None:
                 return formula(*args)
-            if not rows:
-                return run_formula(args[nt:], *args)
-            outs = run_formula(args[nt:], *_as_rows(args[:nt]), *args[nt:])
-            return _reshaped(outs, [args[0].shape] * n_out)
+            if not rowwise:
+                return fused_formula(consts_, *ts, *consts_)
+            outs = fused_formula(consts_, *_as_rows(ts), *consts_)
+            return _reshaped(outs, [ts[0].shape] * n_out)
 
     fwd = torch.library.custom_op(
         f"roundalign::{name}", forward_impl, mutates_args=(), schema=f"({t_args}{c_args}) -> {outs}"
     )
     fwd.register_fake(formula)
 
-    def vjp(grads, tensors_, consts_):
+    def vjp(grads, ts, consts_):
         if backward is not None:
-            got = backward(*grads, *tensors_, *consts_)
+            got = backward(*grads, *ts, *consts_)
             return got if isinstance(got, tuple) else (got,)
-        return _vjp(formula, tensors_, consts_, grads, diff)
+        return _vjp(formula, ts, consts_, grads, diff)
 
-    compiled_vjp = _compiled(vjp) if compile else None
-
-    def run_vjp(grads_, tensors_, consts_):
-        if compiled_vjp is None:
-            return vjp(grads_, tensors_, consts_)
-        return compiled_vjp(consts_, grads_, tensors_, consts_)
+    fused_vjp = _compiled(vjp) if compile else None
 
     def backward_impl(*args):
-        grads, rest = args[:n_out], args[n_out:]
-        if rows and compiled_vjp is not None:
-            got = run_vjp(_as_rows(grads), _as_rows(rest[:nt]), tuple(rest[nt:]))
-            got = _reshaped(got, [rest[i].shape for i in diff])
+        grads, ts, consts_ = args[:n_out], args[n_out:n_out + nt], args[n_out + nt:]
+        if fused_vjp is None:
+            got = vjp(grads, ts, consts_)
+        elif not rowwise:
+            got = fused_vjp(consts_, grads, ts, consts_)
         else:
-            got = run_vjp(tuple(grads), tuple(rest[:nt]), tuple(rest[nt:]))
+            got = fused_vjp(consts_, _as_rows(grads), _as_rows(ts), consts_)
+            got = _reshaped(got, [ts[i].shape for i in diff])
         got = _unalias(got, args)
         return got if len(diff) > 1 else got[0]
 

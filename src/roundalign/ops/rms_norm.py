@@ -35,7 +35,7 @@ def _rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
 
 # The same nu(x) as an op Inductor cannot see into, for the compiled variant: Inductor would sum the squares in its
 # own order, and a last-bit change of the variance moves a few outputs across a rounding tie.
-_rstd_op = torch.library.custom_op("roundalign::rms_rstd", lambda x32, eps: _rstd(x32, eps), mutates_args=(),
+_rstd_op = torch.library.custom_op("roundalign::rms_rstd", _rstd, mutates_args=(),
                                    schema="(Tensor x32, float eps) -> Tensor")
 _rstd_op.register_fake(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 
@@ -87,7 +87,7 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 # The backward's sums as an op Inductor cannot see into (it would sum in its own order), for the fused variant.
-_sum_to_op = torch.library.custom_op("roundalign::sum_to", lambda t, size: t.sum_to_size(size), mutates_args=(),
+_sum_to_op = torch.library.custom_op("roundalign::sum_to", _sum_to, mutates_args=(),
                                      schema="(Tensor t, SymInt[] size) -> Tensor")
 _sum_to_op.register_fake(lambda t, size: t.new_empty(size))
 

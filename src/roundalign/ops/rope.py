@@ -66,7 +66,7 @@ def _rope_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: 
 _ROPE_CONSTS = [("str", "rounding"), ("ScalarType", "out_dtype")]
 _rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2], backward=_rope_backward)
 _rope_compiled_op = define("rope_compiled", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2],
-                           compile=True)
+                           compile=True, backward=_rope_backward)
 
 
 def rope(
