@@ -159,6 +159,14 @@ def test_patch_actor_undoes_liger_and_matches_apply(restore_classes):
     assert torch.equal(got, want)
 
 
+def test_patch_actor_with_the_hf_profile_is_the_stock_baseline():
+    """ROUNDALIGN_PROFILE=hf (stock numerics, e.g. a baseline run) patches nothing and must not be taken for a miss."""
+    actor = _fp32_actor()
+    report = patch_actor(actor, "hf")
+    assert report.profile == "hf" and report.aligned_modules == 0
+    assert not any(hasattr(type(m), "_roundalign_hf_class") for m in actor.modules())
+
+
 def test_patch_actor_refuses_unsupported_and_unreached():
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         patch_actor(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))

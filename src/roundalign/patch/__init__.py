@@ -172,7 +172,7 @@ def revert(model):
         hf_cls = getattr(type(module), "_roundalign_hf_class", None)
         if hf_cls is not None:
             module.__class__ = hf_cls
-        if "_roundalign_no_split" in vars(module):  # the list apply extended
+        if "_roundalign_no_split" in vars(module):  # the list apply renamed
             original = module._roundalign_no_split
             if original is None:
                 del module._no_split_modules  # the class's list again
