@@ -25,19 +25,14 @@ import roundalign
 import roundalign.models
 from roundalign.engine import Engine, SamplingParams
 from roundalign.probe.metrics import mismatch_metrics
+from roundalign.probe.trainer import Rollout, TrainerSide
 from roundalign.tasks import arithmetic
 
 
 def _trainer_logprobs(model, completions, autocast: bool) -> list[torch.Tensor]:
-    out = []
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.no_grad(), ctx:
-        for c in completions:
-            ids = torch.tensor([c.prompt_token_ids + c.token_ids])
-            logp = model(ids).logits.float().log_softmax(-1)[0]
-            n = len(c.prompt_token_ids)
-            out.append(logp[n - 1 : -1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0])
-    return out
+    with ctx:
+        return [TrainerSide.token_logprobs(model, Rollout(c.prompt_token_ids, c.token_ids)) for c in completions]
 
 
 def main() -> None:

@@ -82,7 +82,8 @@ class TrainerSide:
             roundalign.revert(self.model)
 
     @staticmethod
-    def _token_logprobs(model, rollout: Rollout, with_entropy: bool = False):
+    def token_logprobs(model, rollout: Rollout, with_entropy: bool = False):
+        """The completion tokens' fp32 log-probs (and entropies) from one teacher-forced forward of ``model``."""
         ids = rollout.ids
         start = len(rollout.prompt_token_ids) - 1  # the logits row that predicts the first completion token
         with torch.no_grad():
@@ -96,13 +97,13 @@ class TrainerSide:
     def logprobs(self, profile: str | Profile, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Each rollout's completion-token log-probs (fp32, 1-D) with the model patched to ``profile``."""
         with self._patched(profile) as model:
-            return [self._token_logprobs(model, r) for r in rollouts]
+            return [self.token_logprobs(model, r) for r in rollouts]
 
     def fp32_logprobs(self, rollouts: list[Rollout]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Log-probs and entropies (nats) from the fp32 reference forward: the same weights, no bf16 rounding."""
         if self._fp32 is None:
             self._fp32 = copy.deepcopy(self.model).float()  # bf16 -> fp32 is exact: the same weights
-        out = [self._token_logprobs(self._fp32, r, with_entropy=True) for r in rollouts]
+        out = [self.token_logprobs(self._fp32, r, with_entropy=True) for r in rollouts]
         return [lp for lp, _ in out], [h for _, h in out]
 
     def hidden_states(self, profile: str | Profile, token_ids: list[int]) -> list[torch.Tensor]:
