@@ -10,6 +10,8 @@ Usage::
     roundalign probe                    # the mismatch audit on the shipped model (roundalign.probe.cli)
     roundalign train --out DIR          # a GRPO run on the reference engine (roundalign.rl.cli, docs/train.md)
     roundalign compare --grid ...       # a grid of train runs, plotted and tabulated (roundalign.rl.compare)
+    roundalign fit --engine-logprobs F  # the profile that reproduces an engine's dumped log-probs (roundalign.fit)
+    roundalign fingerprint make|read    # the op-level battery that names an engine's rules (roundalign.fingerprint)
 
 Formulas use the notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16, everything
 inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
@@ -243,6 +245,38 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
          "plot them", _compare_arguments)
 def _compare(args: argparse.Namespace) -> int:
     from roundalign.rl.compare import run
+
+    return _run_with_console(run, args)
+
+
+# -----------------------------------------------------------------------------
+# roundalign fit [...] / roundalign fingerprint make|read|runner: detect an engine's rounding profile
+
+
+def _fit_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.fit.cli import add_arguments
+
+    add_arguments(parser)
+
+
+@command("fit", "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile file)",
+         _fit_arguments)
+def _fit(args: argparse.Namespace) -> int:
+    from roundalign.fit.cli import run
+
+    return _run_with_console(run, args)
+
+
+def _fingerprint_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.fingerprint.cli import add_arguments
+
+    add_arguments(parser)
+
+
+@command("fingerprint", "op-level test battery: make its inputs, run them on the engine's machine, read the rules",
+         _fingerprint_arguments)
+def _fingerprint(args: argparse.Namespace) -> int:
+    from roundalign.fingerprint.cli import run
 
     return _run_with_console(run, args)
 
