@@ -1,0 +1,241 @@
+"""The fingerprint battery: fixed bf16 inputs that make every region's rounding rules give different outputs.
+
+``make_battery()`` builds the cases, ``save_battery`` writes them (``roundalign fingerprint make``). Each case names
+the engine op it feeds (``op``), the profile region it tests (``region``), what it separates (``separates``), its
+constants (``params``: eps, RoPE theta, head_dim, ...) and its bf16 inputs. The runner script feeds the inputs to
+the engine's own layers; the reader recomputes every rule from the same inputs and names the rule the outputs
+follow (``roundalign.fingerprint.reader``).
+
+Why these inputs:
+
+- Weights are not all ones (uniform in [0.2, 1.8), every mantissa bit used): with ``w = 1`` the RMSNorm rules
+  ``r(w*r(x*nu))`` and ``r(x*nu*w)`` coincide.
+- Element-wise cases (SwiGLU, RoPE) are picked near rounding ties: for each element (each rotated pair, for RoPE)
+  the generator draws eight candidates and keeps one where the rules give different bf16 results, e.g.
+  ``r(r(silu(g))*u) != r(silu(g)*u)``. A quarter of the rows keep their first draw, as typical values. Norm rows are
+  plain random draws (a row's ``nu`` ties every element together), at several scales; a quarter to a third of
+  their elements already separate the rules.
+- Several hidden sizes and head dims: 64, 128 and 256, which SGLang's fp32-cos/sin RoPE kernel takes, and 80 and
+  96, which it does not (``profiles.sglang``); positions up to 65,535, where fp32 angles are large.
+- Compiled chains: "q/k RMSNorm then RoPE" in one graph (Inductor may skip the norm's output rounding:
+  ``qk_norm=fused_into_rope``) and two "add + RMSNorm" calls in one graph (is the residual carried between them
+  rounded?).
+
+Deterministic: every case draws from its own seeded CPU generator, so two runs give bitwise equal tensors; the
+battery's ``id`` (a SHA-256 of every tensor and constant) lets the reader check that a results file carries the
+battery it was run on, unmodified.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+
+from roundalign.engine.native import cos_sin_cache
+from roundalign.ops import rope, swiglu
+
+FORMAT = "roundalign-fingerprint-battery"
+VERSION = 1
+DTYPE = torch.bfloat16
+EPS = 1e-6
+MAX_POSITION = 65536
+CANDIDATES = 8  # draws per element when picking near-tie values
+
+ROPE_RULES = ("bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once")
+
+
+def _gen(seed: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1000 + index)
+
+
+def _weight(n: int, g: torch.Generator) -> torch.Tensor:
+    return (0.2 + 1.6 * torch.rand(n, generator=g)).to(DTYPE)
+
+
+def _rows(tokens: int, hidden: int, g: torch.Generator) -> torch.Tensor:
+    """Random rows at a few scales (1, 8, 1/64) so that nu(x) varies, with a few outliers per row."""
+    x = torch.randn(tokens, hidden, generator=g)
+    scale = torch.tensor([1.0, 8.0, 1 / 64])[torch.arange(tokens) % 3].unsqueeze(-1)
+    spikes = (torch.rand(tokens, hidden, generator=g) < 0.01) * 16.0
+    return (x * scale * (1 + spikes)).to(DTYPE)
+
+
+def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE inverse frequencies in fp32, as vLLM's and SGLang's ``_compute_inv_freq``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache(head_dim: int, theta: float, max_position: int) -> torch.Tensor:
+    return cos_sin_cache(inv_freq(head_dim, theta), max_position, torch.float32)  # fp32; .to(bf16) is vLLM's cast
+
+
+def cos_sin(positions: torch.Tensor, head_dim: int, theta: float, max_position: int, cos_sin_dtype: torch.dtype):
+    """(cos, sin), (tokens, 1, head_dim) in rotate-half layout, from the engines' cache, in ``cos_sin_dtype``."""
+    cache = _cache(head_dim, float(theta), max_position).index_select(0, positions).to(cos_sin_dtype)
+    cos, sin = cache.chunk(2, dim=-1)  # (tokens, head_dim / 2) each
+    return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+
+
+def rope_rule_outputs(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float, max_position: int):
+    """RoPE of ``x`` (tokens, heads, head_dim) under each of ``ROPE_RULES``: a dict rule -> bf16 output."""
+    out = {}
+    for rule in ROPE_RULES:
+        cs, rounding = rule.split("/")
+        cos, sin = cos_sin(positions, head_dim, theta, max_position, DTYPE if cs == "bf16" else torch.float32)
+        out[rule] = rope(x, cos, sin, rounding, out_dtype=DTYPE)
+    return out
+
+
+def _pick(candidates: torch.Tensor, score: torch.Tensor, typical_rows: int) -> torch.Tensor:
+    """Per element, the candidate (dim 0) with the highest score; the first ``typical_rows`` rows keep draw 0."""
+    best = score.argmax(0)
+    best[:typical_rows] = 0
+    return candidates.gather(0, best.unsqueeze(0)).squeeze(0)
+
+
+def _swiglu_near_ties(tokens: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """Merged [gate, up] (tokens, 2d) where, outside the typical rows, r(r(silu(g))*u) != r(silu(g)*u)."""
+    gate = (2 * torch.randn(CANDIDATES, tokens, d, generator=g)).to(DTYPE)
+    up = (2 * torch.randn(CANDIDATES, tokens, d, generator=g)).to(DTYPE)
+    score = (swiglu(gate, up, "round_silu") != swiglu(gate, up, "once")).int()
+    pair = torch.stack((gate, up), -1)  # (K, tokens, d, 2): a gate and its up are picked together
+    picked = _pick(pair, score.unsqueeze(-1).expand_as(pair), tokens // 4)
+    return torch.cat((picked[..., 0], picked[..., 1]), -1)
+
+
+def _rope_near_ties(tokens: int, heads: int, head_dim: int, positions, theta: float, g: torch.Generator):
+    """q or k (tokens, heads * head_dim) whose rotated pairs (x1, x2) make the four RoPE rules disagree."""
+    x = (2 * torch.randn(CANDIDATES, tokens, heads, head_dim, generator=g)).to(DTYPE)
+    outs = [rope_rule_outputs(x[k], positions, head_dim, theta, MAX_POSITION) for k in range(CANDIDATES)]
+    half = head_dim // 2
+    score = torch.zeros(CANDIDATES, tokens, heads, half, dtype=torch.int32)
+    for k, by_rule in enumerate(outs):
+        values = list(by_rule.values())
+        for i in range(len(values)):
+            for j in range(i + 1, len(values)):
+                diff = values[i] != values[j]
+                score[k] += (diff[..., :half] | diff[..., half:]).int()  # a pair counts once for o1 or o2
+    score = torch.cat((score, score), -1)  # x1 and x2 of a pair follow the same choice
+    return _pick(x, score, tokens // 4).reshape(tokens, heads * head_dim)
+
+
+def _positions(tokens: int, g: torch.Generator) -> torch.Tensor:
+    """A quarter small (0, 1, ...), the rest random up to MAX_POSITION - 1, which is included."""
+    small = torch.arange(tokens // 4)
+    large = torch.randint(0, MAX_POSITION, (tokens - tokens // 4,), generator=g)
+    large[-1] = MAX_POSITION - 1
+    return torch.cat((small, large))
+
+
+_SEP_NORM = "round_before_weight r(w*r(x*nu)) vs round_after_weight r(x*nu*w)"
+_SEP_ADD = "norm of the rounded sum R=r(a+h) vs of the fp32 sum S (x the norm rule); the residual output is r(S)"
+_SEP_CHAIN = ("two add+norm calls in one graph: residual carried rounded (normalize_*_sum) vs fp32 inside the "
+              "graph (round_at_attention / never_round)")
+_SEP_SWIGLU = "round_silu r(r(silu(g))*u) vs once r(silu(g)*u)"
+_SEP_ROPE = "cos/sin bf16 vs fp32 x per_op r(r(x1*c)-r(x2*s)) vs once r(x1*c-x2*s)"
+_SEP_QK = "q/k norm round_before_weight vs round_after_weight vs fused_into_rope (norm unrounded into RoPE)"
+
+
+def make_battery(seed: int = 0) -> dict:
+    """The battery as a dict (see the module docstring); bitwise the same for the same ``seed``."""
+    cases: list[dict] = []
+
+    def add(name, op, region, separates, params, inputs):
+        cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs))
+
+    tokens = 48
+    for hidden in (128, 1024, 4096):
+        g = _gen(seed, len(cases))
+        add(f"rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": EPS},
+            {"x": _rows(tokens, hidden, g), "weight": _weight(hidden, g)})
+    for hidden in (1024, 4096):
+        g = _gen(seed, len(cases))
+        add(f"add_rms_norm/h{hidden}", "add_rms_norm", "residual", _SEP_ADD, {"eps": EPS},
+            {"x": _rows(tokens, hidden, g), "residual": _rows(tokens, hidden, g), "weight": _weight(hidden, g)})
+    g = _gen(seed, len(cases))
+    add("add_rms_norm_chain/h1024", "add_rms_norm_chain", "residual", _SEP_CHAIN, {"eps": EPS},
+        {"x1": _rows(tokens, 1024, g), "residual": _rows(tokens, 1024, g), "x2": _rows(tokens, 1024, g),
+         "weight1": _weight(1024, g), "weight2": _weight(1024, g)})
+    for d in (512, 1536):
+        g = _gen(seed, len(cases))
+        add(f"silu_and_mul/d{d}", "silu_and_mul", "swiglu", _SEP_SWIGLU, {}, {"x": _swiglu_near_ties(tokens, d, g)})
+    g = _gen(seed, len(cases))
+    add("expert_silu_and_mul/d768", "expert_silu_and_mul", "expert_swiglu", _SEP_SWIGLU, {},
+        {"x": _swiglu_near_ties(2 * tokens, 768, g)})  # tokens x top-k rows, as the fused MoE's intermediate
+
+    rope_tokens, q_heads, k_heads = 64, 4, 2
+    for head_dim, theta in ((64, 1e4), (128, 1e6), (256, 1e6), (80, 1e4), (96, 1e6)):
+        g = _gen(seed, len(cases))
+        pos = _positions(rope_tokens, g)
+        params = {"head_dim": head_dim, "theta": theta, "max_position": MAX_POSITION}
+        add(f"rope/hd{head_dim}", "rope", "rope", _SEP_ROPE, params,
+            {"positions": pos, "q": _rope_near_ties(rope_tokens, q_heads, head_dim, pos, theta, g),
+             "k": _rope_near_ties(rope_tokens, k_heads, head_dim, pos, theta, g)})
+    for head_dim in (128, 80):
+        g = _gen(seed, len(cases))
+        pos = _positions(rope_tokens, g)
+        params = {"head_dim": head_dim, "theta": 1e6, "max_position": MAX_POSITION, "eps": EPS}
+        add(f"qk_norm_rope/hd{head_dim}", "qk_norm_rope", "qk_norm", _SEP_QK, params,
+            {"positions": pos, "q": _rows(rope_tokens, q_heads * head_dim, g),
+             "k": _rows(rope_tokens, k_heads * head_dim, g),
+             "q_weight": _weight(head_dim, g), "k_weight": _weight(head_dim, g)})
+
+    battery = {"format": FORMAT, "version": VERSION, "dtype": "bfloat16", "seed": seed, "cases": cases}
+    battery["id"] = battery_id(battery)
+    return battery
+
+
+def battery_id(battery: dict) -> str:
+    """SHA-256 over every case's name, op, constants and input bytes: changes if anything in the battery does."""
+    h = hashlib.sha256(f"{battery['format']}/{battery['version']}".encode())
+    for case in battery["cases"]:
+        h.update(f"{case['name']}|{case['op']}|{sorted(case['params'].items())}".encode())
+        for key in sorted(case["inputs"]):
+            t = case["inputs"][key]
+            h.update(f"{key}{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_battery(path: str | Path, seed: int = 0) -> dict:
+    battery = make_battery(seed)
+    torch.save(battery, Path(path))
+    return battery
+
+
+def check_battery(battery: dict, where: str) -> None:
+    """Raise ValueError unless ``battery`` is this version's battery, unmodified."""
+    if not isinstance(battery, dict) or battery.get("format") != FORMAT:
+        raise ValueError(f"{where} does not hold a roundalign fingerprint battery; make one with "
+                         "`roundalign fingerprint make --out battery.pt`")
+    if battery.get("version") != VERSION:
+        raise ValueError(f"{where} holds battery version {battery.get('version')}, this roundalign reads version "
+                         f"{VERSION}: make a new battery (`roundalign fingerprint make`) and run it again")
+    if battery_id(battery) != battery.get("id"):
+        raise ValueError(f"{where}: the battery's tensors or constants do not match its id (modified or "
+                         "truncated); make a new battery with `roundalign fingerprint make` and run it again")
+
+
+def describe(battery: dict) -> list[dict]:
+    """One row per case for tables: name, region, input shapes, what it separates."""
+    rows = []
+    for case in battery["cases"]:
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in case["inputs"].items())
+        rows.append({"case": case["name"], "region": case["region"], "inputs": shapes,
+                     "params": case["params"], "separates": case["separates"]})
+    return rows
+
+
+def ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 values as int32 in the order of the values they encode: neighbours differ by 1 (+0 and -0 both 0)."""
+    bits = t.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps between two bf16 tensors (the number of representable values between them)."""
+    return (ordered_bits(a) - ordered_bits(b)).abs()

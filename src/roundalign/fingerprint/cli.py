@@ -1,0 +1,148 @@
+"""``roundalign fingerprint make | read | runner``: the op-level battery from the command line.
+
+    roundalign fingerprint make --out battery.pt            # the battery's inputs (deterministic)
+    roundalign fingerprint runner --out run_fingerprint.py  # the standalone script to run on the engine's machine
+    roundalign fingerprint read results.pt [--json]         # the rule per region and mode, with the evidence
+    roundalign fingerprint read results.pt --profile-out compiled vllm.json --residual round_at_attention
+
+``read`` prints one table per run (engine and mode): each region's rule, whether it is determined, and the evidence
+(the fraction of elements equal to each rule's output, and the largest ulp distance). Bad input exits with status 2
+and a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+STATUS_STYLE = {"determined": "green", "indistinguishable": "yellow", "ambiguous": "yellow", "no_rule": "red"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="fingerprint_command", metavar="make|read|runner", required=True)
+    make = sub.add_parser("make", help="write the battery's inputs", description="write the battery's inputs")
+    make.add_argument("--out", default="battery.pt", metavar="PATH", help="where to write it (default battery.pt)")
+    make.add_argument("--json", action="store_true", help="print the case list as JSON instead of a table")
+    runner = sub.add_parser("runner", help="copy out the standalone runner script",
+                            description="copy out the script that runs the battery on the engine's machine")
+    runner.add_argument("--out", default="run_fingerprint.py", metavar="PATH",
+                        help="where to write it (default run_fingerprint.py)")
+    read = sub.add_parser("read", help="name the rule per region and mode",
+                          description="name each region's rounding rule per mode, with the evidence")
+    read.add_argument("results", help="results.pt written by the runner")
+    read.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    read.add_argument("--profile-out", nargs=2, metavar=("MODE", "PATH"),
+                      help="write a Profile JSON for MODE (eager or compiled) when every region is determined")
+    read.add_argument("--residual", metavar="RULE",
+                      help="the residual rule for --profile-out when the op level cannot tell it "
+                           "(round_at_attention or never_round, e.g. from `roundalign fit`)")
+
+
+def run(args: argparse.Namespace, console) -> int:
+    if args.fingerprint_command == "make":
+        return _make(args, console)
+    if args.fingerprint_command == "runner":
+        return _runner(args, console)
+    return _read(args, console)
+
+
+def _make(args, console) -> int:
+    from roundalign.fingerprint.battery import describe, save_battery
+
+    battery = save_battery(args.out)
+    rows = describe(battery)
+    if args.json:
+        print(json.dumps({"path": str(args.out), "id": battery["id"], "version": battery["version"], "cases": rows},
+                         indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"fingerprint battery v{battery['version']} -> {args.out}",
+                  caption=f"id {battery['id'][:16]}...; next: roundalign fingerprint runner --out run_fingerprint.py")
+    for col in ("case", "region", "inputs", "separates"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(row["case"], row["region"], row["inputs"], row["separates"])
+    console.print(table)
+    return 0
+
+
+def runner_source() -> Path:
+    return Path(__file__).with_name("runner.py")
+
+
+def _runner(args, console) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file name such as {out / 'run_fingerprint.py'}")
+    shutil.copyfile(runner_source(), out)
+    console.print(f"wrote {out}. On the engine's machine, in the engine's Python:\n"
+                  f"  python {out.name} battery.pt --engine vllm --out results.pt   (or --engine sglang)\n"
+                  "then bring results.pt back: roundalign fingerprint read results.pt")
+    return 0
+
+
+def _read(args, console) -> int:
+    from roundalign.fingerprint.reader import load_results, read_results
+
+    path = Path(args.results)
+    if not path.is_file():
+        raise FileNotFoundError(f"results file {str(path)!r} does not exist")
+    if args.residual is not None and args.profile_out is None:
+        raise ValueError("--residual only fills in the profile that --profile-out writes; add --profile-out MODE PATH")
+    entries = read_results(load_results(path))
+    written = _profile_out(args, entries) if args.profile_out else None
+    if args.json:
+        data = [{k: v for k, v in e.items() if k != "regions"} | {"regions": {n: r.to_dict() for n, r in
+                                                                              e["regions"].items()}} for e in entries]
+        print(json.dumps({"runs": data, "profile_out": written}, indent=2))
+        return 0
+    for entry in entries:
+        console.print(_table(entry))
+    if written:
+        console.print(f"wrote profile {written['name']} to {written['path']}: "
+                      + ", ".join(f"{k} from {v}" for k, v in written["sources"].items()))
+    return 0
+
+
+def _profile_out(args, entries) -> dict:
+    from roundalign.fingerprint.profile import build_profile
+
+    mode, out = args.profile_out
+    chosen = [e for e in entries if e["mode"] == mode]
+    if len(chosen) != 1:
+        modes = sorted({e["mode"] for e in entries})
+        raise ValueError(f"--profile-out {mode}: the results hold {len(chosen)} run(s) in that mode (modes: {modes}); "
+                         "need exactly one")
+    profile, sources = build_profile(chosen[0], args.residual)
+    profile.save(out)
+    return {"name": profile.name, "path": str(out), "sources": sources}
+
+
+def _evidence(region) -> str:
+    rows = region.evidence[:3]
+    if region.per_head_dim:  # rope: the best rule per head dim
+        return "\n".join(f"hd{row['head_dim']}: {row['rule']} {row['equal']:.4%}, max {row['max_ulp']} ulp"
+                         for row in region.evidence)
+    return "\n".join(f"{row['rule']}: {row['equal']:.4%} equal, max {row['max_ulp']} ulp" for row in rows)
+
+
+def _table(entry: dict):
+    from rich.table import Table
+
+    table = Table(title=f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode",
+                  caption=f"device {entry['device']}, torch {entry['torch']}. A rule matches when >= 99.9% of the "
+                          "elements equal it, every difference 1 ulp at most, and no other rule reaches 99%.",
+                  show_lines=True)
+    table.add_column("region", style="bold cyan", no_wrap=True)
+    table.add_column("rule", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("evidence (worst case per rule)", no_wrap=True)
+    table.add_column("note", overflow="fold", ratio=1)
+    for name, region in entry["regions"].items():
+        style = STATUS_STYLE[region.status]
+        table.add_row(name, "\n".join(region.rules) or "-", f"[{style}]{region.status}[/{style}]", _evidence(region),
+                      region.note)
+    return table

@@ -1,0 +1,62 @@
+"""Turn one mode's fingerprint into a ``Profile`` (``roundalign fingerprint read --profile-out MODE PATH``).
+
+Every region comes from the battery when the reader determined it. The one the op level cannot settle by design is
+the residual: ``round_at_attention`` and ``never_round`` give the same op outputs. The user then names it with
+``--residual`` (from ``roundalign fit``, or from knowing how the engine splits its graphs), and the profile's
+``source`` says which regions came from where. Anything else undetermined is refused, never guessed.
+"""
+
+from __future__ import annotations
+
+from roundalign.profiles import HeadDimRope, Profile, ResidualRule, RopeRule
+
+
+def _rope(region) -> RopeRule | HeadDimRope:
+    """One RoPE rule, or a head_dim-dependent one when the battery's head dims split into two rules, one group
+    of which holds every head dim that is not a power of two (the dims engines do not special-case)."""
+    by_rule: dict[str, list[int]] = {}
+    for hd, r in region.per_head_dim.items():
+        by_rule.setdefault(r.rules[0], []).append(int(hd))
+    if len(by_rule) == 1:
+        return RopeRule.parse(next(iter(by_rule)))
+    generic = [rule for rule, dims in by_rule.items() if any(d & (d - 1) for d in dims)]
+    if len(by_rule) == 2 and len(generic) == 1 and all(not (d & (d - 1)) for r, ds in by_rule.items()
+                                                         if r != generic[0] for d in ds):
+        special = next(r for r in by_rule if r != generic[0])
+        return HeadDimRope(head_dims=tuple(sorted(by_rule[special])), rule=special, other=generic[0])
+    raise ValueError(f"RoPE rules by head_dim {by_rule} do not fit one head_dim-dependent rule; "
+                     "write the profile by hand (docs/profiles.md)")
+
+
+def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, dict[str, str]]:
+    """(Profile, {region: source}) from one entry of ``reader.read_results``; ValueError when a region is open."""
+    regions = entry["regions"]
+    tag = f"{entry['engine']} {entry['mode']}"
+    open_ = {name: r for name, r in regions.items() if r.status != "determined"}
+    residual_region = regions["residual"]
+    if residual is not None:
+        residual = ResidualRule.parse(residual, "residual").value
+        if residual not in residual_region.rules:
+            raise ValueError(f"--residual {residual} contradicts the battery: the {tag} run's residual is "
+                             f"{residual_region.status} {residual_region.rules}")
+        open_.pop("residual", None)
+    if open_:
+        detail = "; ".join(f"{name}: {r.status} {r.rules}" for name, r in open_.items())
+        hint = (" (the residual: pass --residual round_at_attention|never_round, e.g. from `roundalign fit`)"
+                if "residual" in open_ and residual_region.status == "indistinguishable" else "")
+        raise ValueError(f"cannot write a profile for the {tag} run, not every region is determined: {detail}{hint}")
+    rules = {name: r.rules[0] for name, r in regions.items() if name != "rope"}
+    rules["residual"] = residual or rules["residual"]
+    sources = {name: "battery" for name in regions}
+    if residual is not None and residual_region.status != "determined":
+        sources["residual"] = "--residual (the op level cannot tell it)"
+    version = entry.get("engine_version", "?")
+    profile = Profile(
+        name=f"fingerprint-{entry['engine']}-{entry['mode']}",
+        rope=_rope(regions["rope"]),
+        engines=f"{entry['engine']} {version}, {entry['mode']} mode, {entry.get('device', '?')}, "
+                f"torch {entry.get('torch', '?')}",
+        source="roundalign fingerprint read: " + ", ".join(f"{k} from {v}" for k, v in sources.items()),
+        **rules,
+    )
+    return profile, sources

@@ -1,0 +1,296 @@
+"""Read a fingerprint results file: which rounding rule each region follows, per mode, and the evidence.
+
+For every run (an engine in one mode) and every region, the reader recomputes the battery's cases under each
+candidate rule with ``roundalign.ops`` and compares the engine's outputs with them element by element:
+
+- ``equal``: the fraction of output elements bitwise equal to the candidate's, in the region's worst case (so that
+  a small case that separates two rules is not outvoted by larger ones that do not);
+- ``max_ulp``: the largest distance, in bf16 ulps, between the engine's output and the candidate's.
+
+Decision (one criterion for every region, not tuned per engine): a candidate *matches* when ``equal >= 0.999`` and
+``max_ulp <= 1``. The slack is for reduction order, not rounding points: compiled RMSNorm sums ``x^2`` in another
+order than eager and then differs from its own rule in about 1e-5 of the elements, by one ulp each
+(docs/vllm-compiled.md), and GPU ``cos``/``sin`` may differ from the CPU's in a last bit. A wrong rounding point moves
+a quarter or more of the elements (the battery picks near-tie values so that it does). A region is
+
+- ``determined`` when exactly one candidate matches and every candidate that predicts different outputs stays below
+  ``equal = 0.99`` (far below);
+- ``indistinguishable`` when the matching candidate stands for several rules that predict the same outputs at the op
+  level: ``round_at_attention`` and ``never_round`` differ only in where an engine splits its graphs, which op
+  outputs cannot show (``roundalign fit`` separates them from log-probs);
+- ``ambiguous`` when more than one prediction matches or the runner-up is within 0.99;
+- ``no_rule`` when nothing matches: the engine rounds somewhere no rule in ``roundalign.profiles`` does.
+
+Joint regions: the add + norm cases depend on the norm rule too, and the q/k-norm chain on the RoPE rule of its head
+dim, so their candidates are combinations; the region's answer is the rule part of the matching combination. RoPE
+is decided per head dim (SGLang's depends on it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from roundalign.fingerprint import battery as B
+from roundalign.fingerprint import runner as R
+from roundalign.ops import residual_add, rms_norm, rope, swiglu
+from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule, SwiGLURule
+
+MATCH_EQUAL, MATCH_ULP, FAR_BELOW = 0.999, 1, 0.99
+ROUNDED_CARRY = (ResidualRule.NORMALIZE_ROUNDED_SUM, ResidualRule.NORMALIZE_FP32_SUM)
+OP_LEVEL_TWINS = {ResidualRule.ROUND_AT_ATTENTION.value, ResidualRule.NEVER_ROUND.value}
+
+
+@dataclass
+class Region:
+    """The answer for one region in one run."""
+
+    region: str
+    status: str  # determined | indistinguishable | ambiguous | no_rule
+    rules: list[str]  # the matching rule(s); for rope a "hd64: ..." summary
+    evidence: list[dict]  # per candidate rule: best equal fraction and its max ulp
+    note: str = ""
+    per_head_dim: dict = field(default_factory=dict)  # rope only: head_dim -> Region
+
+    def to_dict(self) -> dict:
+        out = {"status": self.status, "rules": self.rules, "evidence": self.evidence, "note": self.note}
+        if self.per_head_dim:
+            out["per_head_dim"] = {str(k): v.to_dict() for k, v in self.per_head_dim.items()}
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# predictions: each case under each (partial) rule, from roundalign.ops
+
+
+def _rope_rule(x, positions, p, rule: str):
+    cs, rounding = rule.split("/")
+    cos, sin = B.cos_sin(positions, p["head_dim"], p["theta"], p["max_position"],
+                         B.DTYPE if cs == "bf16" else torch.float32)
+    return rope(x, cos, sin, rounding, out_dtype=B.DTYPE)
+
+
+def _heads(t, hd):
+    return t.view(t.shape[0], -1, hd)
+
+
+def predict(case: dict, **rule) -> list[torch.Tensor]:
+    """The outputs ``case`` gives under ``rule`` (the keyword names depend on the op)."""
+    op, p, w = case["op"], case["params"], case["inputs"]
+    if op == "rms_norm":
+        return [rms_norm(w["x"], w["weight"], p["eps"], rule["norm"])]
+    if op == "add_rms_norm":
+        res, x = residual_add(w["x"], w["residual"], rule["residual"])
+        return [rms_norm(x, w["weight"], p["eps"], rule["norm"], out_dtype=B.DTYPE), res]
+    if op == "add_rms_norm_chain":
+        res, x = residual_add(w["x1"], w["residual"], rule["residual"])
+        out1 = rms_norm(x, w["weight1"], p["eps"], rule["norm"], out_dtype=B.DTYPE)
+        carried = res if rule["residual"] in ROUNDED_CARRY else x  # compiled engines carry S inside a graph
+        res, x = residual_add(w["x2"], carried, rule["residual"])
+        return [out1, rms_norm(x, w["weight2"], p["eps"], rule["norm"], out_dtype=B.DTYPE), res]
+    if op in ("silu_and_mul", "expert_silu_and_mul"):
+        x = w["x"]
+        d = x.shape[-1] // 2
+        return [swiglu(x[..., :d], x[..., d:], rule["swiglu"])]
+    hd = p["head_dim"]
+    if op == "rope":
+        return [_rope_rule(_heads(w[k], hd), w["positions"], p, rule["rope"]).reshape(w[k].shape) for k in "qk"]
+    if op == "qk_norm_rope":
+        out = []
+        for k in "qk":
+            normed = rms_norm(_heads(w[k], hd), w[f"{k}_weight"], p["eps"], rule["qk_norm"], out_dtype=B.DTYPE)
+            out.append(_rope_rule(normed, w["positions"], p, rule["rope"]).reshape(w[k].shape))
+        return out
+    raise ValueError(f"battery case {case['name']!r}: unknown op {op!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparison and decision
+
+
+def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, int, int]:
+    """(equal elements, elements, max ulp) of two output lists given as ``B.ordered_bits``."""
+    equal = total = worst = 0
+    for g, w in zip(got, want, strict=True):
+        d = (g - w).abs_()
+        n = int(torch.count_nonzero(d))
+        equal, total = equal + g.numel() - n, total + g.numel()
+        if n:
+            worst = max(worst, int(d.max()))
+    return equal, total, worst
+
+
+def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases: list[dict]) -> Region:
+    """``candidates``: dicts of partial rules; ``part`` is the key whose value is this region's rule."""
+    cache: dict = {}
+    got = {c["name"]: [B.ordered_bits(t) for t in outputs[c["name"]]] for c in cases}
+    scored = []
+    for cand in candidates:
+        equal, worst, preds = 1.0, 0, []
+        for case in cases:
+            keys = _keys_for(case, cand)
+            key = (case["name"], keys)
+            if key not in cache:
+                cache[key] = [B.ordered_bits(t) for t in predict(case, **dict(keys))]
+            preds.append(cache[key])
+            e, t, u = _compare(got[case["name"]], cache[key])
+            equal, worst = min(equal, e / t), max(worst, u)  # the worst case counts: no case is outvoted
+        scored.append((cand, equal, worst, preds))
+    # Candidates whose predictions are bitwise identical on this battery form one class.
+    classes: list[list] = []
+    for item in scored:
+        for cls in classes:
+            if all(all(map(torch.equal, pa, pb)) for pa, pb in zip(item[3], cls[0][3], strict=True)):
+                cls.append(item)
+                break
+        else:
+            classes.append([item])
+    classes.sort(key=lambda cls: -cls[0][1])
+    matching = [cls for cls in classes if cls[0][1] >= MATCH_EQUAL and cls[0][2] <= MATCH_ULP]
+    evidence = _evidence(scored, part)
+    runner_up = classes[1][0][1] if len(classes) > 1 else 0.0
+    if not matching:
+        best = classes[0][0]
+        return Region(region, "no_rule", [], evidence,
+                      f"no rule matches: the closest, {_label(best[0])}, has {best[1]:.2%} of elements equal and "
+                      f"{best[2]} ulp at most; the engine rounds somewhere no roundalign rule does")
+    if len(matching) > 1 or runner_up >= FAR_BELOW:
+        rules = sorted({str(c[0][part]) for cls in matching for c in cls})
+        return Region(region, "ambiguous", rules, evidence,
+                      f"the battery does not separate these: runner-up has {runner_up:.2%} equal")
+    winner = matching[0]
+    rules = sorted({str(c[0][part]) for c in winner})
+    others = {k: str(v) for k, v in winner[0][0].items() if k != part}
+    note = ("with " + ", ".join(f"{k}={v}" for k, v in others.items())) if others else ""
+    if len(rules) == 1:
+        return Region(region, "determined", rules, evidence, note)
+    if set(rules) == OP_LEVEL_TWINS:
+        note = (f"{' and '.join(rules)} give the same op outputs (they differ in where an engine splits its graphs); "
+                "use `roundalign fit` on dumped log-probs to tell them apart" + (f"; {note}" if note else ""))
+    return Region(region, "indistinguishable", rules, evidence, note)
+
+
+def _keys_for(case: dict, cand: dict) -> tuple:
+    """The part of a candidate a case depends on (the q/k chain reads the RoPE rule of its own head dim)."""
+    keys = dict(cand)
+    if case["op"] == "qk_norm_rope":
+        keys["rope"] = keys.pop(f"rope@{case['params']['head_dim']}")
+        keys = {k: v for k, v in keys.items() if not k.startswith("rope@")}
+    return tuple(sorted((k, str(v)) for k, v in keys.items()))
+
+
+def _label(cand: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in cand.items())
+
+
+def _evidence(scored, part: str) -> list[dict]:
+    """For each value of the region's rule, its best candidate: equal fraction and max ulp."""
+    best: dict[str, tuple] = {}
+    for cand, frac, ulp, _ in scored:
+        rule = str(cand[part])
+        if rule not in best or frac > best[rule][1]:
+            best[rule] = (cand, frac, ulp)
+    rows = [{"rule": r, "equal": f, "max_ulp": u, "with": {k: str(v) for k, v in c.items() if k != part}}
+            for r, (c, f, u) in best.items()]
+    return sorted(rows, key=lambda row: -row["equal"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# regions
+
+
+def _by_region(battery: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for case in battery["cases"]:
+        out.setdefault(case["region"], []).append(case)
+    return out
+
+
+def read_run(battery: dict, outputs: dict) -> dict[str, Region]:
+    cases = _by_region(battery)
+    norms = [r.value for r in RMSNormRule]
+    regions = {"rms_norm": _decide("rms_norm", "norm", [{"norm": n} for n in norms], outputs, cases["rms_norm"])}
+    res = [{"residual": r.value, "norm": n} for r in ResidualRule for n in norms]
+    regions["residual"] = _decide("residual", "residual", res, outputs, cases["residual"])
+    per_hd = {}
+    for case in cases["rope"]:
+        per_hd[case["params"]["head_dim"]] = _decide("rope", "rope", [{"rope": r} for r in B.ROPE_RULES],
+                                                     outputs, [case])
+    regions["rope"] = _rope_region(per_hd)
+    hds = sorted({c["params"]["head_dim"] for c in cases["qk_norm"]})
+    qk = [{"qk_norm": q.value, **{f"rope@{hd}": r for hd, r in zip(hds, rr, strict=True)}}
+          for q in QKNormRule for rr in itertools.product(B.ROPE_RULES, repeat=len(hds))]
+    regions["qk_norm"] = _decide("qk_norm", "qk_norm", qk, outputs, cases["qk_norm"])
+    for region in ("swiglu", "expert_swiglu"):
+        regions[region] = _decide(region, "swiglu", [{"swiglu": s.value} for s in SwiGLURule], outputs, cases[region])
+    return {name: regions[name] for name in ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")}
+
+
+def _rope_region(per_hd: dict[int, Region]) -> Region:
+    summary = [f"hd{hd}: {'|'.join(r.rules) or '-'}" for hd, r in sorted(per_hd.items())]
+    statuses = {r.status for r in per_hd.values()}
+    status = "determined" if statuses == {"determined"} else next(
+        s for s in ("no_rule", "ambiguous", "indistinguishable") if s in statuses)
+    distinct = {tuple(r.rules) for r in per_hd.values()}
+    rules = list(next(iter(distinct))) if len(distinct) == 1 else summary
+    note = "" if len(distinct) == 1 else "the rule depends on head_dim"
+    evidence = [{"head_dim": hd, **row} for hd, r in sorted(per_hd.items()) for row in r.evidence[:1]]
+    return Region("rope", status, rules, evidence, note, per_head_dim=per_hd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results files
+
+
+def check_results(results, where: str = "results") -> None:
+    """Raise ValueError unless ``results`` is a complete results file for this battery version."""
+    if not isinstance(results, dict) or results.get("format") != R.RESULTS_FORMAT:
+        raise ValueError(f"{where} is not a fingerprint results file; the runner writes one "
+                         "(`python run_fingerprint.py battery.pt --engine vllm --out results.pt`)")
+    if results.get("version") != R.RESULTS_VERSION:
+        raise ValueError(f"{where} has results version {results.get('version')}; this roundalign reads "
+                         f"{R.RESULTS_VERSION}: rerun the runner copied from this roundalign "
+                         "(`roundalign fingerprint runner`)")
+    B.check_battery(results.get("battery"), f"{where}'s battery")
+    battery = results["battery"]
+    runs = results.get("runs") or []
+    if not runs:
+        raise ValueError(f"{where} holds no runs")
+    names = [c["name"] for c in battery["cases"]]
+    for run in runs:
+        tag = f"{where}: the {run.get('engine')} {run.get('mode')} run"
+        if run.get("mode") not in R.MODES:
+            raise ValueError(f"{tag} has unknown mode {run.get('mode')!r}; expected one of {R.MODES}")
+        outputs = run.get("outputs", {})
+        missing = [n for n in names if n not in outputs]
+        extra = [n for n in outputs if n not in names]
+        if missing or extra:
+            raise ValueError(f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on "
+                             "this battery")
+        for case in battery["cases"]:
+            want = R._expected_shapes(case)
+            got = outputs[case["name"]]
+            shapes = [(tuple(t.shape), t.dtype) for t in got] if isinstance(got, (list, tuple)) else got
+            if shapes != [(s, B.DTYPE) for s in want]:
+                raise ValueError(f"{tag}: case {case['name']!r} has outputs {shapes}; expected "
+                                 f"{[(s, B.DTYPE) for s in want]}")
+
+
+def load_results(path) -> dict:
+    results = torch.load(path, weights_only=True)
+    check_results(results, str(path))
+    return results
+
+
+def read_results(results: dict) -> list[dict]:
+    """One entry per run: engine, mode, versions, device, and the Region per region."""
+    check_results(results)
+    out = []
+    for run in results["runs"]:
+        info = run.get("info", {})
+        out.append({"engine": run["engine"], "mode": run["mode"], "engine_version": info.get("engine_version", "?"),
+                    "device": run.get("device", "?"), "torch": results.get("torch", "?"),
+                    "regions": read_run(results["battery"], run["outputs"])})
+    return out
