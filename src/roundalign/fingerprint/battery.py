@@ -11,7 +11,7 @@ Why these inputs:
 - Weights are not all ones (uniform in [0.2, 1.8), every mantissa bit used): with ``w = 1`` the RMSNorm rules
   ``r(w*r(x*nu))`` and ``r(x*nu*w)`` coincide.
 - Element-wise cases (SwiGLU, RoPE) are picked near rounding ties: for each element (each rotated pair, for RoPE)
-  the generator draws eight candidates and keeps one where the rules give different bf16 results, e.g.
+  the generator draws candidates (24; 8 per pair) and keeps one where the rules give different bf16 results, e.g.
   ``r(r(silu(g))*u) != r(silu(g)*u)``. A quarter of the rows keep their first draw, as typical values. Norm rows are
   plain random draws (a row's ``nu`` ties every element together), at several scales; a quarter to a third of
   their elements already separate the rules.
@@ -42,7 +42,8 @@ VERSION = 1
 DTYPE = torch.bfloat16
 EPS = 1e-6
 MAX_POSITION = 65536
-CANDIDATES = 8  # draws per element when picking near-tie values
+CANDIDATES = 8  # draws per rotated pair when picking near-tie RoPE inputs
+SWIGLU_CANDIDATES = 24  # per SwiGLU element: each draw separates the rules with p ~ 0.28
 
 ROPE_RULES = ("bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once")
 
@@ -99,8 +100,8 @@ def _pick(candidates: torch.Tensor, score: torch.Tensor, typical_rows: int) -> t
 
 def _swiglu_near_ties(tokens: int, d: int, g: torch.Generator) -> torch.Tensor:
     """Merged [gate, up] (tokens, 2d) where, outside the typical rows, r(r(silu(g))*u) != r(silu(g)*u)."""
-    gate = (2 * torch.randn(CANDIDATES, tokens, d, generator=g)).to(DTYPE)
-    up = (2 * torch.randn(CANDIDATES, tokens, d, generator=g)).to(DTYPE)
+    gate = (2 * torch.randn(SWIGLU_CANDIDATES, tokens, d, generator=g)).to(DTYPE)
+    up = (2 * torch.randn(SWIGLU_CANDIDATES, tokens, d, generator=g)).to(DTYPE)
     score = (swiglu(gate, up, "round_silu") != swiglu(gate, up, "once")).int()
     pair = torch.stack((gate, up), -1)  # (K, tokens, d, 2): a gate and its up are picked together
     picked = _pick(pair, score.unsqueeze(-1).expand_as(pair), tokens // 4)
@@ -147,7 +148,7 @@ def make_battery(seed: int = 0) -> dict:
     def add(name, op, region, separates, params, inputs):
         cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs))
 
-    tokens = 48
+    tokens = 16
     for hidden in (128, 1024, 4096):
         g = _gen(seed, len(cases))
         add(f"rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": EPS},
@@ -167,7 +168,7 @@ def make_battery(seed: int = 0) -> dict:
     add("expert_silu_and_mul/d768", "expert_silu_and_mul", "expert_swiglu", _SEP_SWIGLU, {},
         {"x": _swiglu_near_ties(2 * tokens, 768, g)})  # tokens x top-k rows, as the fused MoE's intermediate
 
-    rope_tokens, q_heads, k_heads = 64, 4, 2
+    rope_tokens, q_heads, k_heads = 32, 4, 2
     for head_dim, theta in ((64, 1e4), (128, 1e6), (256, 1e6), (80, 1e4), (96, 1e6)):
         g = _gen(seed, len(cases))
         pos = _positions(rope_tokens, g)

@@ -28,6 +28,7 @@ is decided per head dim (SGLang's depends on it).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -138,16 +139,19 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
             e, t, u = _compare(got[case["name"]], cache[key])
             equal, worst = min(equal, e / t), max(worst, u)  # the worst case counts: no case is outvoted
         scored.append((cand, equal, worst, preds))
-    # Candidates whose predictions are bitwise identical on this battery form one class.
-    classes: list[list] = []
+    # Candidates whose predictions are bitwise identical on this battery form one class (keyed by a digest of
+    # their bytes; the digests of the cached predictions are computed once).
+    digests: dict[int, bytes] = {}
+
+    def digest(t):
+        if id(t) not in digests:
+            digests[id(t)] = hashlib.sha256(t.numpy().tobytes()).digest()
+        return digests[id(t)]
+
+    by_key: dict[tuple, list] = {}
     for item in scored:
-        for cls in classes:
-            if all(all(map(torch.equal, pa, pb)) for pa, pb in zip(item[3], cls[0][3], strict=True)):
-                cls.append(item)
-                break
-        else:
-            classes.append([item])
-    classes.sort(key=lambda cls: -cls[0][1])
+        by_key.setdefault(tuple(digest(t) for pred in item[3] for t in pred), []).append(item)
+    classes = sorted(by_key.values(), key=lambda cls: -cls[0][1])
     matching = [cls for cls in classes if cls[0][1] >= MATCH_EQUAL and cls[0][2] <= MATCH_ULP]
     evidence = _evidence(scored, part)
     runner_up = classes[1][0][1] if len(classes) > 1 else 0.0

@@ -207,7 +207,7 @@ def run_battery(battery: dict, adapters: list[Adapter], log=print) -> dict:
         outputs = collect(battery, a, log)
         runs.append({"engine": a.engine, "mode": a.mode, "device": _device_name(a.device), "info": a.info(),
                      "outputs": outputs})
-    return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "battery": battery, "torch": torch.__version__,
+    return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "battery": battery, "torch": str(torch.__version__),
             "python": platform.python_version(), "runs": runs}
 
 
@@ -344,7 +344,7 @@ class VllmAdapter(_ModuleAdapter):
         return run
 
     def info(self) -> dict:
-        out = {"engine_version": getattr(self.vllm, "__version__", "?"),
+        out = {"engine_version": str(getattr(self.vllm, "__version__", "?")),
                "custom_ops": list(self.config.compilation_config.custom_ops)}
         try:
             from vllm.ir.op import IrOp
@@ -400,7 +400,7 @@ class SglangAdapter(_ModuleAdapter):
         return act
 
     def info(self) -> dict:
-        return {"engine_version": getattr(self.sglang, "__version__", "?")}
+        return {"engine_version": str(getattr(self.sglang, "__version__", "?"))}
 
 
 ADAPTERS = {"vllm": VllmAdapter, "sglang": SglangAdapter}
