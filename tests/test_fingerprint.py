@@ -125,8 +125,8 @@ def _expected(profile: Profile, battery) -> dict:
 def test_reader_names_every_profile(battery, name):
     regions = _read(battery, ProfileAdapter(name))
     assert _rules(regions) == _expected(get_profile(name), battery)
-    for region in regions.values():  # the rules are far apart: every other rule stays below 99% equal
-        assert all(row["equal"] < reader.FAR_BELOW for row in region.evidence
+    for region in regions.values():  # the rules are far apart: every other rule is below 99% equal in some case
+        assert all(row["worst_case"] < reader.FAR_BELOW for row in region.evidence
                    if row["rule"] not in region.rules and "head_dim" not in row)
 
 

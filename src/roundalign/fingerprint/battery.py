@@ -148,11 +148,11 @@ def make_battery(seed: int = 0) -> dict:
     def add(name, op, region, separates, params, inputs):
         cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs))
 
-    tokens = 16
+    tokens = 16  # rows; small hidden sizes get more, so that every case has at least 8192 elements
     for hidden in (128, 1024, 4096):
         g = _gen(seed, len(cases))
         add(f"rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": EPS},
-            {"x": _rows(tokens, hidden, g), "weight": _weight(hidden, g)})
+            {"x": _rows(max(tokens, 8192 // hidden), hidden, g), "weight": _weight(hidden, g)})
     for hidden in (1024, 4096):
         g = _gen(seed, len(cases))
         add(f"add_rms_norm/h{hidden}", "add_rms_norm", "residual", _SEP_ADD, {"eps": EPS},

@@ -3,22 +3,23 @@
 For every run (an engine in one mode) and every region, the reader recomputes the battery's cases under each
 candidate rule with ``roundalign.ops`` and compares the engine's outputs with them element by element:
 
-- ``equal``: the fraction of output elements bitwise equal to the candidate's, in the region's worst case (so that
-  a small case that separates two rules is not outvoted by larger ones that do not);
+- ``equal``: the fraction of output elements bitwise equal to the candidate's, over all of the region's cases, and
+  ``worst_case``, the lowest fraction in any one case;
 - ``max_ulp``: the largest distance, in bf16 ulps, between the engine's output and the candidate's.
 
 Decision (one criterion for every region, not tuned per engine): a candidate *matches* when ``equal >= 0.999`` and
 ``max_ulp <= 1``. The slack is for reduction order, not rounding points: compiled RMSNorm sums ``x^2`` in another
 order than eager and then differs from its own rule in about 1e-5 of the elements, by one ulp each
 (docs/vllm-compiled.md), and GPU ``cos``/``sin`` may differ from the CPU's in a last bit. A wrong rounding point moves
-a quarter or more of the elements (the battery picks near-tie values so that it does). A region is
+a sixth to three quarters of the elements of some case (the battery picks near-tie values so that it does). A region is
 
-- ``determined`` when exactly one candidate matches and every candidate that predicts different outputs stays below
-  ``equal = 0.99`` (far below);
+- ``determined`` when exactly one candidate matches and every candidate that predicts different outputs stays far
+  below: under 99% equal in at least one case (``worst_case < 0.99``), so that one case that separates two rules is
+  not outvoted by cases that do not;
 - ``indistinguishable`` when the matching candidate stands for several rules that predict the same outputs at the op
   level: ``round_at_attention`` and ``never_round`` differ only in where an engine splits its graphs, which op
   outputs cannot show (``roundalign fit`` separates them from log-probs);
-- ``ambiguous`` when more than one prediction matches or the runner-up is within 0.99;
+- ``ambiguous`` when more than one prediction matches or another one reaches 99% in every case;
 - ``no_rule`` when nothing matches: the engine rounds somewhere no rule in ``roundalign.profiles`` does.
 
 Joint regions: the add + norm cases depend on the norm rule too, and the q/k-norm chain on the RoPE rule of its head
@@ -123,13 +124,23 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, in
     return equal, total, worst
 
 
+@dataclass
+class _Scored:
+    cand: dict
+    equal: float  # over all of the region's output elements
+    worst_case: float  # the lowest per-case fraction
+    max_ulp: int
+    preds: list
+
+
 def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases: list[dict]) -> Region:
     """``candidates``: dicts of partial rules; ``part`` is the key whose value is this region's rule."""
     cache: dict = {}
     got = {c["name"]: [B.ordered_bits(t) for t in outputs[c["name"]]] for c in cases}
     scored = []
     for cand in candidates:
-        equal, worst, preds = 1.0, 0, []
+        equal = total = worst = 0
+        worst_case, preds = 1.0, []
         for case in cases:
             keys = _keys_for(case, cand)
             key = (case["name"], keys)
@@ -137,8 +148,8 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
                 cache[key] = [B.ordered_bits(t) for t in predict(case, **dict(keys))]
             preds.append(cache[key])
             e, t, u = _compare(got[case["name"]], cache[key])
-            equal, worst = min(equal, e / t), max(worst, u)  # the worst case counts: no case is outvoted
-        scored.append((cand, equal, worst, preds))
+            equal, total, worst, worst_case = equal + e, total + t, max(worst, u), min(worst_case, e / t)
+        scored.append(_Scored(cand, equal / total, worst_case, worst, preds))
     # Candidates whose predictions are bitwise identical on this battery form one class (keyed by a digest of
     # their bytes; the digests of the cached predictions are computed once).
     digests: dict[int, bytes] = {}
@@ -148,26 +159,28 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
             digests[id(t)] = hashlib.sha256(t.numpy().tobytes()).digest()
         return digests[id(t)]
 
-    by_key: dict[tuple, list] = {}
+    by_key: dict[tuple, list[_Scored]] = {}
     for item in scored:
-        by_key.setdefault(tuple(digest(t) for pred in item[3] for t in pred), []).append(item)
-    classes = sorted(by_key.values(), key=lambda cls: -cls[0][1])
-    matching = [cls for cls in classes if cls[0][1] >= MATCH_EQUAL and cls[0][2] <= MATCH_ULP]
+        by_key.setdefault(tuple(digest(t) for pred in item.preds for t in pred), []).append(item)
+    classes = sorted(by_key.values(), key=lambda cls: -cls[0].equal)
+    matching = [cls for cls in classes if cls[0].equal >= MATCH_EQUAL and cls[0].max_ulp <= MATCH_ULP]
     evidence = _evidence(scored, part)
-    runner_up = classes[1][0][1] if len(classes) > 1 else 0.0
     if not matching:
         best = classes[0][0]
         return Region(region, "no_rule", [], evidence,
-                      f"no rule matches: the closest, {_label(best[0])}, has {best[1]:.2%} of elements equal and "
-                      f"{best[2]} ulp at most; the engine rounds somewhere no roundalign rule does")
-    if len(matching) > 1 or runner_up >= FAR_BELOW:
-        rules = sorted({str(c[0][part]) for cls in matching for c in cls})
+                      f"no rule matches: the closest, {_label(best.cand)}, has {best.equal:.2%} of elements equal "
+                      f"and {best.max_ulp} ulp at most; the engine rounds somewhere no roundalign rule does")
+    others = [cls[0] for cls in classes if cls is not matching[0]]
+    close = [o for o in others if o.worst_case >= FAR_BELOW]
+    if len(matching) > 1 or close:
+        rules = sorted({str(c.cand[part]) for cls in matching for c in cls} | {str(o.cand[part]) for o in close})
         return Region(region, "ambiguous", rules, evidence,
-                      f"the battery does not separate these: runner-up has {runner_up:.2%} equal")
+                      f"the battery does not separate these: {_label(close[0].cand if close else matching[1][0].cand)} "
+                      f"has {(close[0] if close else matching[1][0]).worst_case:.2%} equal in every case")
     winner = matching[0]
-    rules = sorted({str(c[0][part]) for c in winner})
-    others = {k: str(v) for k, v in winner[0][0].items() if k != part}
-    note = ("with " + ", ".join(f"{k}={v}" for k, v in others.items())) if others else ""
+    rules = sorted({str(c.cand[part]) for c in winner})
+    rest = {k: str(v) for k, v in winner[0].cand.items() if k != part}
+    note = ("with " + ", ".join(f"{k}={v}" for k, v in rest.items())) if rest else ""
     if len(rules) == 1:
         return Region(region, "determined", rules, evidence, note)
     if set(rules) == OP_LEVEL_TWINS:
@@ -189,15 +202,16 @@ def _label(cand: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in cand.items())
 
 
-def _evidence(scored, part: str) -> list[dict]:
-    """For each value of the region's rule, its best candidate: equal fraction and max ulp."""
-    best: dict[str, tuple] = {}
-    for cand, frac, ulp, _ in scored:
-        rule = str(cand[part])
-        if rule not in best or frac > best[rule][1]:
-            best[rule] = (cand, frac, ulp)
-    rows = [{"rule": r, "equal": f, "max_ulp": u, "with": {k: str(v) for k, v in c.items() if k != part}}
-            for r, (c, f, u) in best.items()]
+def _evidence(scored: list[_Scored], part: str) -> list[dict]:
+    """For each value of the region's rule, its best candidate: equal fraction (all cases, and the worst case)
+    and max ulp."""
+    best: dict[str, _Scored] = {}
+    for item in scored:
+        rule = str(item.cand[part])
+        if rule not in best or item.equal > best[rule].equal:
+            best[rule] = item
+    rows = [{"rule": r, "equal": b.equal, "worst_case": b.worst_case, "max_ulp": b.max_ulp,
+             "with": {k: str(v) for k, v in b.cand.items() if k != part}} for r, b in best.items()]
     return sorted(rows, key=lambda row: -row["equal"])
 
 
@@ -240,7 +254,7 @@ def _rope_region(per_hd: dict[int, Region]) -> Region:
     distinct = {tuple(r.rules) for r in per_hd.values()}
     rules = list(next(iter(distinct))) if len(distinct) == 1 else summary
     note = "" if len(distinct) == 1 else "the rule depends on head_dim"
-    evidence = [{"head_dim": hd, **row} for hd, r in sorted(per_hd.items()) for row in r.evidence[:1]]
+    evidence = [{"head_dim": hd, **row} for hd, r in sorted(per_hd.items()) for row in r.evidence[:2]]
     return Region("rope", status, rules, evidence, note, per_head_dim=per_hd)
 
 
