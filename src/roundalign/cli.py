@@ -22,7 +22,8 @@ to an argparse subparser, and a function that runs it and returns the exit statu
 ``@command(...)``; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
 error (argparse's own errors and unknown profile names alike), 3 a training run that diverged (a non-finite loss
 or gradient; the message names the step, the quantity and the last good checkpoint), 4 a ``compare`` grid in which
-some runs failed (the others still ran, and the summary and plots cover them).
+some runs failed (the others still ran, and the summary and plots cover them), 5 a ``fit`` dump that no rounding
+profile explains (another checkpoint, processed log-probs; the message gives the evidence).
 
 The tables need ``rich`` (the ``[cli]`` extra); ``--json`` works without it.
 """
@@ -88,7 +89,8 @@ def _console():
 
 
 def _profiles_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())})")
+    parser.add_argument("name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())}), "
+                        "or a profile .json file")
     parser.add_argument("--sources", action="store_true", help="add the column saying where each profile was read")
     parser.add_argument("--json", action="store_true", help="print JSON (Profile.to_dict) instead of a table")
 
@@ -157,10 +159,11 @@ def _detail_table(p: Profile):
 @command("profiles", "list the built-in rounding profiles, or show one", _profiles_arguments)
 def _profiles(args: argparse.Namespace) -> int:
     if args.name is not None:
-        if args.name not in list_profiles():
-            _error(f"unknown profile {args.name!r}; the built-in profiles are: {', '.join(list_profiles())}")
+        try:
+            profiles = [get_profile(args.name)]  # a built-in name, or a profile .json file (roundalign fit writes one)
+        except ValueError as exc:
+            _error(str(exc))
             return USAGE
-        profiles = [get_profile(args.name)]
     else:
         profiles = [get_profile(name) for name in list_profiles()]
 

@@ -347,10 +347,22 @@ def list_profiles() -> list[str]:
     return list(PROFILES)
 
 
-def get_profile(name: str | Profile) -> Profile:
-    """A built-in profile by name (a Profile is returned as is)."""
+def get_profile(name: str | Path | Profile) -> Profile:
+    """A built-in profile by name, or a profile file (``*.json``, as ``Profile.save`` and ``roundalign fit`` write).
+
+    A Profile is returned as is. Accepting a path here is what lets every ``profile`` argument and ``--*-profile``
+    option take a fitted profile file.
+    """
     if isinstance(name, Profile):
         return name
+    if isinstance(name, Path) or (isinstance(name, str) and name.endswith(".json")):
+        if not Path(name).is_file():
+            raise ValueError(f"profile file {str(name)!r} does not exist (a built-in name, or a .json file written "
+                             "by Profile.save or roundalign fit)")
+        try:
+            return Profile.load(name)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"profile file {str(name)!r} is not a valid profile: {exc}") from None
     try:
         return PROFILES[name]
     except KeyError:

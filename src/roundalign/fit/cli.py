@@ -1,0 +1,110 @@
+"""``roundalign fit``: the rounding profile that reproduces an engine's dumped log-probs, as a profile file.
+
+    roundalign fit --engine-logprobs dump.jsonl                  # the shipped tiny-qwen3
+    roundalign fit --model PATH --engine-logprobs dump.jsonl --out fit-out
+    roundalign fit --engine-logprobs dump.jsonl --exhaustive     # no pruning: every candidate on every token
+
+The dump is the probe's import format (docs/real-engines.md; a prefill dump decides most, docs/fit.md). Writes
+``profile.json`` (``Profile.load`` and every ``--*-profile`` option read it) and ``report.json`` into ``--out``,
+prints the verdict per region, the leading candidates and the margin, with a progress bar while it runs. A dump
+that no rounding rule explains (another checkpoint, processed log-probs) exits with status 5 and the evidence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+NOT_FITTED = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--engine-logprobs", metavar="FILE", required=True,
+      help="JSONL dumped by the engine: one {prompt_token_ids, token_ids, logprobs} object per line "
+      "(docs/real-engines.md, docs/fit.md)")
+    a("--model", metavar="PATH", help="the HF model directory the engine served (default: the shipped tiny-qwen3)")
+    a("--out", metavar="DIR", default="fit-out", help="where profile.json and report.json go (default fit-out)")
+    a("--exhaustive", action="store_true", help="score every candidate on every token (no pruning)")
+    a("--screen-tokens", type=int, default=512, metavar="N",
+      help="tokens every candidate is scored on before pruning (default 512)")
+    a("--prune-z", type=float, default=5.0, metavar="Z",
+      help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)")
+    a("--decide-z", type=float, default=3.0, metavar="Z",
+      help="call a region determined when the best beats its other rules with z >= Z (default 3)")
+    a("--max-excess", type=float, default=8.0, metavar="X",
+      help="refuse a dump farther from the best candidate than X times the rounding rules' own spread (default 8)")
+    a("--top", type=int, default=10, metavar="N", help="candidates to list (default 10)")
+    a("--json", action="store_true", help="print report.json instead of the tables")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.screen_tokens <= 0:
+        raise ValueError(f"--screen-tokens must be positive, got {args.screen_tokens}")
+    for name in ("prune_z", "decide_z", "max_excess"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.top <= 0:
+        raise ValueError(f"--top must be positive, got {args.top}")
+
+
+def load(model_path: str | Path | None, dump: str | Path):
+    """The trainer's bf16 model and the dump's rollouts, checked against the model's vocabulary and context."""
+    from roundalign import models
+    from roundalign.probe.jsonl import read_engine_logprobs
+    from roundalign.probe.trainer import Rollout, load_trainer_model
+
+    path = Path(model_path) if model_path else models.path()
+    model = load_trainer_model(path)
+    if not Path(dump).is_file():
+        raise FileNotFoundError(f"engine log-prob dump {str(dump)!r} does not exist")
+    config = model.config
+    records = read_engine_logprobs(dump, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings)
+    return model, [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in records]
+
+
+def run(args: argparse.Namespace, console) -> int:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from roundalign.fit import report
+    from roundalign.fit.search import DumpNotExplained, fit
+
+    _check(args)
+    model, rollouts = load(args.model, args.engine_logprobs)
+    out = Path(args.out)
+    with Progress(TextColumn("[bold]fit[/] forwards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console, transient=True, disable=args.json) as progress:
+        task = progress.add_task("fit", total=None)
+        try:
+            result = fit(model, rollouts, exhaustive=args.exhaustive, screen_tokens=args.screen_tokens,
+                         prune_z=args.prune_z, decide_z=args.decide_z, max_excess=args.max_excess,
+                         progress=lambda n: progress.advance(task, n),
+                         on_total=lambda total: progress.update(task, total=total))
+        except DumpNotExplained as exc:
+            progress.stop()
+            if args.json:
+                print(json.dumps({"error": str(exc), "evidence": exc.evidence}, indent=2))
+            else:
+                console.print(f"[bold red]not fitted[/]: {exc}", highlight=False)
+                console.print(report.render_not_explained(exc), highlight=False)
+            return NOT_FITTED
+    out.mkdir(parents=True, exist_ok=True)
+    data = report.as_dict(result, top=args.top)
+    result.profile.save(out / "profile.json")
+    (out / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for renderable in report.render(result, top=args.top):
+        console.print(renderable, highlight=False)
+    console.print(f"profile: {out / 'profile.json'}  (roundalign.apply(model, Profile.load(...)), or pass the path "
+                  f"to any --*-profile option); report: {out / 'report.json'}")
+    return 0

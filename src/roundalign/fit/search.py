@@ -1,0 +1,368 @@
+"""``fit``: which rounding profile reproduces an engine's dumped log-probs.
+
+For each candidate (``roundalign.fit.space``) the trainer model is patched with its rules and every dumped
+completion is re-scored teacher-forced, in prefill, one sequence per forward (``TrainerSide.token_logprobs``, what
+``roundalign probe`` and an RL trainer compute). Candidates are ranked by agreement with the dump:
+
+1. ``mismatch/bitwise_equal_frac``, the fraction of tokens whose fp32 log-prob equals the engine's bit for bit;
+2. ``rollout_corr/k3_kl``, then ``mismatch/log_ratio_rms`` (verl's and the probe's definitions).
+
+When no candidate reproduces even ``BITWISE_FLOOR`` of the tokens bitwise (an engine on other matmul/attention
+kernels), the ranking starts at k3_kl instead: a handful of coincidentally equal tokens should not decide.
+
+Time is one forward per (candidate, sequence), so it grows with candidates x tokens. Pruning (on unless
+``exhaustive``): all candidates are first scored on a screening prefix of the dump (``screen_tokens``); for each
+region, an option whose *best* candidate is beaten by the overall best's on a clear majority of the tokens where
+the two differ (a sign test, z >= ``prune_z``) is dropped, with every candidate that uses it. A candidate with
+log-probs identical to the best's on the screen is never dropped (no token tells them apart). The survivors are
+scored on the rest. ``exhaustive=True`` scores every candidate on every token: the search provably covers the space.
+
+Before ranking, the dump is checked against the model: rounding rules move log-probs by a bounded amount (the
+largest distance between any two candidates' log-probs on the same tokens). A dump farther from the best candidate
+than ``max_excess`` times that is not a rounding difference (another checkpoint, processed log-probs, another
+tokenizer) and raises ``DumpNotExplained`` with the evidence instead of a fitted profile.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import roundalign
+from roundalign.fit.space import Candidate, Space
+from roundalign.probe.metrics import mismatch_metrics
+from roundalign.probe.trainer import Rollout, TrainerSide
+
+BITWISE_FLOOR = 0.05
+KEYS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "mismatch/log_ratio_rms")
+
+
+class DumpNotExplained(ValueError):
+    """The dump differs from every candidate by far more than rounding rules can: ``evidence`` says how much."""
+
+    def __init__(self, message: str, evidence: dict):
+        super().__init__(message)
+        self.evidence = evidence
+
+
+@dataclass
+class Scored:
+    """A candidate's log-probs (per sequence index) and its metrics on the tokens scored so far."""
+
+    candidate: Candidate
+    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+    def cat(self, idxs) -> torch.Tensor:
+        return torch.cat([self.logprobs[i] for i in idxs])
+
+
+@dataclass
+class FitResult:
+    space: Space
+    rank_by: str  # "bitwise" or "k3_kl"
+    ranking: list[Scored]  # the candidates scored on the whole dump, best first
+    screen: list[Scored]  # every candidate, metrics on the screening prefix (empty when exhaustive)
+    equivalents: list[Candidate]  # bitwise-identical to the best on the whole dump (the best included)
+    runner_up: Scored | None
+    margin: dict
+    regions: dict[str, dict]  # searched region -> rule, status (determined / identical / unclear), evidence
+    undetermined: dict[str, str]  # region -> why the data does not decide it (idle regions included)
+    named_matches: list[str]  # built-in profiles in the best's equivalence class
+    pruned: list[dict]  # one entry per dropped (region, rule), with its evidence
+    excess: dict  # the wrong-model check
+    profile: roundalign.Profile
+    stats: dict  # tokens, sequences, forwards, seconds
+
+    @property
+    def best(self) -> Scored:
+        return self.ranking[0]
+
+
+def sign_test(a: torch.Tensor, b: torch.Tensor, data: torch.Tensor) -> tuple[int, int, float]:
+    """Tokens where ``a`` is closer to ``data`` than ``b``, the reverse, and the sign test's z (0 if none differ)."""
+    da, db = (a.double() - data.double()).abs(), (b.double() - data.double()).abs()
+    wins, losses = int((da < db).sum()), int((db < da).sum())
+    n = wins + losses
+    return wins, losses, (wins - losses) / math.sqrt(n) if n else 0.0
+
+
+class _Scorer:
+    def __init__(self, model, space: Space, rollouts: list[Rollout], progress: Callable[[int], None] | None):
+        self.model, self.space, self.rollouts = model, space, rollouts
+        self.progress = progress or (lambda n: None)
+        self.forwards = 0
+
+    def score(self, entry: Scored, idxs: list[int]) -> None:
+        todo = [i for i in idxs if i not in entry.logprobs]
+        if not todo:
+            return
+        roundalign.apply(self.model, self.space.profile(entry.candidate))
+        try:
+            for i in todo:
+                entry.logprobs[i] = TrainerSide.token_logprobs(self.model, self.rollouts[i])
+                self.forwards += 1
+                self.progress(1)
+        finally:
+            roundalign.revert(self.model)
+
+
+def _rank_key(rank_by: str):
+    if rank_by == "bitwise":
+        return lambda s: (-s.metrics[KEYS[0]], s.metrics[KEYS[1]], s.metrics[KEYS[2]])
+    return lambda s: (s.metrics[KEYS[1]], s.metrics[KEYS[2]], -s.metrics[KEYS[0]])
+
+
+def _measure(entries: list[Scored], idxs: list[int], data: dict[int, torch.Tensor]) -> None:
+    engine = [data[i] for i in idxs]
+    for e in entries:
+        e.metrics = {k: v for k, v in mismatch_metrics([e.logprobs[i] for i in idxs], engine).items() if k in KEYS}
+
+
+def _excess(entries: list[Scored], best: Scored, idxs: list[int], data: torch.Tensor, max_excess: float) -> dict:
+    """How far the dump is from the best candidate, in units of the largest rounding-rule distance."""
+    ref = best.cat(idxs).double()
+    scale = max(float((e.cat(idxs).double() - ref).square().mean().sqrt()) for e in entries)
+    distance = float((data.double() - ref).square().mean().sqrt())
+    ratio = distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
+    return {"distance_rms": distance, "rounding_scale_rms": scale, "excess": ratio, "max_excess": max_excess,
+            "tokens": int(ref.numel())}
+
+
+def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, clear_z: float) -> tuple[set, list[dict]]:
+    """The options each region drops on the screen: beaten by the best on a clear majority of differing tokens."""
+    ref = best.cat(idxs)
+    dropped, decisions = set(), []
+    for region in space.regions:
+        winner = best.candidate.rule(region)
+        seen = {winner}
+        for e in entries:  # sorted best first: the first entry with an option is that option's best candidate
+            option = e.candidate.rule(region)
+            if option in seen:
+                continue
+            seen.add(option)
+            wins, losses, z = sign_test(ref, e.cat(idxs), data)
+            decision = {"region": region, "rule": option, "kept_rule": winner, "best_with_rule": e.candidate.label(),
+                        "tokens_closer_with_kept": wins, "tokens_closer_with_rule": losses, "z": z,
+                        "dropped": z >= clear_z}
+            decisions.append(decision)
+            if decision["dropped"]:
+                dropped.add((region, option))
+    return dropped, decisions
+
+
+def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_tokens: int = 512, prune_z: float = 5.0,
+        decide_z: float = 3.0, max_excess: float = 8.0, progress: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None) -> FitResult:
+    """Fit a profile to ``rollouts`` (each with the engine's ``logprobs``) on an unpatched bf16 HF ``model``.
+
+    ``progress(n)`` is called after every n forwards, ``on_total(total)`` whenever the planned number of forwards
+    changes (pruning lowers it). Raises ``DumpNotExplained`` for a dump no rounding rule explains.
+    """
+    if roundalign.patched_profile(model) is not None:
+        raise ValueError("fit patches the model itself; pass an unpatched model (roundalign.revert(model))")
+    if not rollouts:
+        raise ValueError("the dump holds no rollouts; fit needs at least one scored completion")
+    for i, r in enumerate(rollouts):
+        if r.logprobs is None or len(r.logprobs) != len(r.token_ids):
+            raise ValueError(f"rollout {i} needs one engine log-prob per completion token")
+    model.eval().requires_grad_(False)
+    space = Space.of(model)
+    data = {i: torch.tensor(r.logprobs, dtype=torch.float32) for i, r in enumerate(rollouts)}
+    everything = list(range(len(rollouts)))
+    n_tokens = sum(len(r.token_ids) for r in rollouts)
+    entries = [Scored(c) for c in space.candidates()]
+    scorer = _Scorer(model, space, rollouts, progress)
+    t0 = time.perf_counter()
+
+    # The screening prefix: whole sequences until screen_tokens; only worth it when the rest is at least as long.
+    screen_idx, count = [], 0
+    for i, r in enumerate(rollouts):
+        if count >= screen_tokens:
+            break
+        screen_idx.append(i)
+        count += len(r.token_ids)
+    screening = not exhaustive and n_tokens - count >= count
+    first = screen_idx if screening else everything
+    if on_total:
+        on_total(len(entries) * len(first))
+
+    for e in entries:
+        scorer.score(e, first)
+    _measure(entries, first, data)
+    bitwise_max = max(e.metrics[KEYS[0]] for e in entries)
+    rank_by = "bitwise" if bitwise_max >= BITWISE_FLOOR else "k3_kl"
+    entries.sort(key=_rank_key(rank_by))
+    first_data = torch.cat([data[i] for i in first])
+    excess = _excess(entries, entries[0], first, first_data, max_excess)
+    if excess["excess"] > max_excess:
+        raise DumpNotExplained(
+            f"the dump is not explained by any rounding profile: its log-probs are {excess['distance_rms']:.3g} "
+            f"(RMS log-ratio over {excess['tokens']} tokens) from the closest candidate, {excess['excess']:.3g}x the "
+            f"largest difference any two rounding rules make ({excess['rounding_scale_rms']:.3g}; the limit is "
+            f"{max_excess:g}x). Check that --model is the checkpoint the engine served (same weights, same "
+            "revision), that the dump holds raw log-probs (vLLM logprobs_mode='raw_logprobs', no temperature or "
+            "penalties applied), and that the prompts were tokenized with this model's tokenizer.",
+            {**excess, "closest": entries[0].candidate.label(), "metrics": entries[0].metrics})
+
+    screen: list[Scored] = []
+    pruned: list[dict] = []
+    survivors = entries
+    if screening:
+        screen = [Scored(e.candidate, metrics=dict(e.metrics)) for e in entries]
+        dropped, pruned = _prune(space, entries, entries[0], first, first_data, prune_z)
+        survivors = [e for e in entries
+                     if not any((r, e.candidate.rule(r)) in dropped for r in space.regions)]
+        rest = [i for i in everything if i not in set(first)]
+        if on_total:
+            on_total(len(entries) * len(first) + len(survivors) * len(rest))
+        for e in survivors:
+            scorer.score(e, rest)
+        _measure(survivors, everything, data)
+        survivors.sort(key=_rank_key(rank_by))
+    seconds = time.perf_counter() - t0
+
+    best = survivors[0]
+    ref = best.cat(everything)
+    equivalents = [e.candidate for e in survivors if torch.equal(e.cat(everything), ref)]
+    runner_up = next((e for e in survivors if e.candidate not in equivalents), None)
+    margin = _margin(best, runner_up, everything, torch.cat([data[i] for i in everything]))
+    data_all = torch.cat([data[i] for i in everything])
+    regions = _regions(space, survivors, equivalents, everything, data_all, pruned, decide_z)
+    undetermined = dict(space.idle)
+    undetermined.update({r: d["why"] for r, d in regions.items() if d["status"] != "determined"})
+    named = space.named()
+    named_matches = [n for n, c in named.items() if c in equivalents]
+    stats = {"tokens": n_tokens, "sequences": len(rollouts), "candidates": len(entries),
+             "screen_tokens": count if screening else 0, "survivors": len(survivors), "forwards": scorer.forwards,
+             "seconds": seconds, "seconds_per_forward": seconds / max(scorer.forwards, 1)}
+    profile = _fitted_profile(space, best.candidate, named_matches, regions, stats)
+    return FitResult(space, rank_by, survivors, screen, equivalents, runner_up, margin, regions, undetermined,
+                     named_matches, pruned, excess, profile, stats)
+
+
+def _regions(space: Space, survivors: list[Scored], equivalents, idxs, data, pruned, decide_z: float) -> dict:
+    """Per searched region: the best's rule, and whether the data decides it against the region's other rules.
+
+    ``identical``: a candidate with another rule here gives the best's log-probs bit for bit. ``determined``: the
+    best beats the best candidate with another rule here on a clear majority of the tokens where they differ
+    (z >= decide_z), or every other rule was dropped at screening. ``unclear``: neither; more tokens, or a prefill
+    dump (docs/fit.md), would decide it.
+    """
+    best = survivors[0]
+    ref = best.cat(idxs)
+    out = {}
+    for region in space.regions:
+        rule = best.candidate.rule(region)
+        same = sorted({c.rule(region) for c in equivalents} - {rule})
+        if same:
+            out[region] = {"rule": rule, "status": "identical", "alternatives": same,
+                           "why": f"{rule} and {', '.join(same)} give bitwise-identical log-probs on this dump"}
+            continue
+        alt = next((e for e in survivors if e.candidate.rule(region) != rule), None)
+        if alt is None:
+            zs = [d["z"] for d in pruned if d["region"] == region and d["dropped"]]
+            out[region] = {"rule": rule, "status": "determined", "z": min(zs) if zs else None,
+                           "why": f"every other rule dropped at screening (z >= {min(zs):.1f})" if zs else ""}
+            continue
+        wins, losses, z = sign_test(ref, alt.cat(idxs), data)
+        status = "determined" if z >= decide_z else "unclear"
+        out[region] = {"rule": rule, "status": status, "z": z, "vs": alt.candidate.rule(region),
+                       "tokens_closer_with_best": wins, "tokens_closer_with_other": losses,
+                       "why": f"{rule} vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} "
+                              f"(z {z:.1f}{'' if status == 'determined' else f' < {decide_z:g}'})"}
+    return out
+
+
+def _margin(best: Scored, runner_up: Scored | None, idxs, data: torch.Tensor) -> dict:
+    if runner_up is None:
+        return {"runner_up": None}
+    wins, losses, z = sign_test(best.cat(idxs), runner_up.cat(idxs), data)
+    b, r = best.metrics, runner_up.metrics
+    return {"runner_up": runner_up.candidate.label(),
+            "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
+            "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
+            "tokens_closer_with_best": wins, "tokens_closer_with_runner_up": losses, "z": z}
+
+
+def _fitted_profile(space: Space, best: Candidate, named_matches, regions: dict, stats):
+    """The profile file's content: the best candidate, preferring a built-in profile's rules within its class."""
+    named = space.named()
+    chosen = next((named[n] for n in named_matches), best)
+    fill = named_matches[0] if named_matches else space.nearest_named(chosen)
+
+    def listed(status: str) -> str:
+        return ", ".join(r for r, d in regions.items() if d["status"] == status) or "none"
+
+    source = (f"roundalign fit on {stats['tokens']} tokens ({stats['sequences']} sequences), model_type "
+              f"{space.model_type}, head_dim {space.head_dim} (rope fitted for this head_dim only). Determined: "
+              f"{listed('determined')}; identical on the dump to other rules: {listed('identical')}; unclear: "
+              f"{listed('unclear')}; not exercised, filled from {fill}: {', '.join(space.idle) or 'none'}")
+    engines = ("fit: bitwise identical on the dump to " + ", ".join(named_matches)) if named_matches else \
+        f"fit: no built-in profile matches; nearest {fill}"
+    return space.profile(chosen, name=f"fit-{named_matches[0]}" if named_matches else "fit", fill=fill,
+                         engines=engines, source=source)
+
+
+def _regions(space: Space, survivors: list[Scored], equivalents, idxs, data, pruned, decide_z: float) -> dict:
+    """Per searched region: the best's rule, and whether the data decides it against the region's other rules.
+
+    ``identical``: a candidate with another rule here gives the best's log-probs bit for bit. ``determined``: the
+    best beats the best candidate with another rule here on a clear majority of the tokens where they differ
+    (z >= decide_z), or every other rule was dropped at screening. ``unclear``: neither; more tokens, or a prefill
+    dump (docs/fit.md), would decide it.
+    """
+    best = survivors[0]
+    ref = best.cat(idxs)
+    out = {}
+    for region in space.regions:
+        rule = best.candidate.rule(region)
+        same = sorted({c.rule(region) for c in equivalents} - {rule})
+        if same:
+            out[region] = {"rule": rule, "status": "identical", "alternatives": same,
+                           "why": f"{rule} and {', '.join(same)} give bitwise-identical log-probs on this dump"}
+            continue
+        alt = next((e for e in survivors if e.candidate.rule(region) != rule), None)
+        if alt is None:
+            zs = [d["z"] for d in pruned if d["region"] == region and d["dropped"]]
+            out[region] = {"rule": rule, "status": "determined", "z": min(zs) if zs else None,
+                           "why": f"every other rule dropped at screening (z >= {min(zs):.1f})" if zs else ""}
+            continue
+        wins, losses, z = sign_test(ref, alt.cat(idxs), data)
+        status = "determined" if z >= decide_z else "unclear"
+        out[region] = {"rule": rule, "status": status, "z": z, "vs": alt.candidate.rule(region),
+                       "tokens_closer_with_best": wins, "tokens_closer_with_other": losses,
+                       "why": f"{rule} vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} "
+                              f"(z {z:.1f}{'' if status == 'determined' else f' < {decide_z:g}'})"}
+    return out
+
+
+def _margin(best: Scored, runner_up: Scored | None, idxs, data: torch.Tensor) -> dict:
+    if runner_up is None:
+        return {"runner_up": None}
+    wins, losses, z = sign_test(best.cat(idxs), runner_up.cat(idxs), data)
+    b, r = best.metrics, runner_up.metrics
+    return {"runner_up": runner_up.candidate.label(),
+            "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
+            "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
+            "tokens_closer_with_best": wins, "tokens_closer_with_runner_up": losses, "z": z}
+
+
+def _fitted_profile(space: Space, best: Candidate, equivalents, named_matches, undetermined, stats):
+    """The profile file's content: the best candidate, preferring a built-in profile's rules within its class."""
+    named = space.named()
+    chosen = next((named[n] for n in named_matches), best)
+    fill = named_matches[0] if named_matches else space.nearest_named(chosen)
+    fitted = ", ".join(space.regions)
+    filled = ", ".join(r for r in space.idle) or "none"
+    source = (f"roundalign fit on {stats['tokens']} tokens ({stats['sequences']} sequences), model_type "
+              f"{space.model_type}, head_dim {space.head_dim}: fitted {fitted}; filled from {fill}: {filled}; rope is "
+              f"fitted for head_dim {space.head_dim} only")
+    engines = ("fit: bitwise identical on the dump to " + ", ".join(named_matches)) if named_matches else \
+        f"fit: no built-in profile matches; nearest {fill}"
+    return space.profile(chosen, name=f"fit-{named_matches[0]}" if named_matches else "fit", fill=fill,
+                         engines=engines, source=source)
