@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)")
     a("--decide-z", type=float, default=3.0, metavar="Z",
       help="call a region determined when the best beats its other rules with z >= Z (default 3)")
-    a("--max-excess", type=float, default=8.0, metavar="X",
-      help="refuse a dump farther from the best candidate than X times the rounding rules' own spread (default 8)")
+    a("--max-excess", type=float, default=1.5, metavar="X",
+      help="refuse a dump farther from the best candidate than X times the rounding rules' typical distance "
+      "(default 1.5; docs/fit.md)")
     a("--top", type=int, default=10, metavar="N", help="candidates to list (default 10)")
     a("--json", action="store_true", help="print report.json instead of the tables")
 

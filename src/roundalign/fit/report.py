@@ -93,10 +93,10 @@ def render(result: FitResult, top: int = 10) -> list:
         lines.append("runner-up: none (every candidate scored gives the best's log-probs)")
     dropped = [d for d in result.pruned if d["dropped"]]
     st = result.stats
+    pruning = (f"; screened on {st['screen_tokens']} tokens, dropped {len(dropped)} rule(s), {st['survivors']} "
+               "scored on the rest (the runner-up included)") if st["screen_tokens"] else "; exhaustive"
     lines.append(f"searched {st['candidates']} candidates, {st['forwards']} forwards in {st['seconds']:.1f} s "
-                 f"({st['seconds_per_forward'] * 1e3:.1f} ms each)" +
-                 (f"; screened on {st['screen_tokens']} tokens, dropped {len(dropped)} rule(s), "
-                  f"{st['survivors']} candidates scored on the rest" if st["screen_tokens"] else "; exhaustive"))
+                 f"({st['seconds_per_forward'] * 1e3:.1f} ms each){pruning}")
     e = result.excess
     lines.append(f"model check: dump {e['distance_rms']:.3g} from the best (RMS log-ratio), {e['excess']:.2g}x the "
                  f"rounding scale {e['rounding_scale_rms']:.3g} (limit {e['max_excess']:g}x)")
