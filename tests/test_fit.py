@@ -241,6 +241,11 @@ def test_cli_bad_input(tmp_path, capsys):
     ok.write_text('{"prompt_token_ids": [1], "token_ids": [2], "logprobs": [-1.0]}\n')
     assert main(["fit", "--engine-logprobs", str(ok), "--screen-tokens", "0"]) == 2
     assert "--screen-tokens must be positive" in capsys.readouterr().err
+    assert main(["fit", "--engine-logprobs", str(ok), "--device", "gpu0"]) == 2
+    assert "is not a torch device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["fit", "--engine-logprobs", str(ok), "--device", "cuda"]) == 2
+        assert "torch sees none" in capsys.readouterr().err
 
 
 def test_fit_refuses_a_patched_model_and_an_empty_dump(shipped):

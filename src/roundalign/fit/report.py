@@ -88,7 +88,9 @@ def render(result: FitResult, top: int = 10) -> list:
     if m.get("runner_up"):
         lines.append(f"runner-up ({m['runner_up']}): {m['bitwise_equal_frac_gap'] * 100:+.2f} points bitwise-equal, "
                      f"k3_kl x{m['k3_kl_ratio']:.3g}; best closer on {m['tokens_closer_with_best']} tokens, runner-up "
-                     f"on {m['tokens_closer_with_runner_up']} (z {m['z']:.1f})")
+                     f"on {m['tokens_closer_with_runner_up']} (z {m['z']:.1f}"
+                     + (")" if m["decided"] else ": not decided by this dump; more tokens or a prefill "
+                        "dump would decide, docs/fit.md)"))
     else:
         lines.append("runner-up: none (every candidate scored gives the best's log-probs)")
     dropped = [d for d in result.pruned if d["dropped"]]

@@ -245,7 +245,7 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     ref = best.cat(everything)
     equivalents = [e.candidate for e in survivors if torch.equal(e.cat(everything), ref)]
     runner_up = next((e for e in survivors if e.candidate not in equivalents), None)
-    margin = _margin(best, runner_up, everything, torch.cat([data[i] for i in everything]))
+    margin = _margin(best, runner_up, everything, torch.cat([data[i] for i in everything]), decide_z)
     data_all = torch.cat([data[i] for i in everything])
     regions = _regions(space, survivors, equivalents, everything, data_all, pruned, decide_z)
     undetermined = dict(space.idle)
@@ -295,12 +295,12 @@ def _regions(space: Space, survivors: list[Scored], equivalents, idxs, data, pru
     return out
 
 
-def _margin(best: Scored, runner_up: Scored | None, idxs, data: torch.Tensor) -> dict:
+def _margin(best: Scored, runner_up: Scored | None, idxs, data: torch.Tensor, decide_z: float) -> dict:
     if runner_up is None:
         return {"runner_up": None}
     wins, losses, z = sign_test(best.cat(idxs), runner_up.cat(idxs), data)
     b, r = best.metrics, runner_up.metrics
-    return {"runner_up": runner_up.candidate.label(),
+    return {"runner_up": runner_up.candidate.label(), "decided": z >= decide_z,
             "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
             "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
             "tokens_closer_with_best": wins, "tokens_closer_with_runner_up": losses, "z": z}

@@ -83,16 +83,18 @@ class TrainerSide:
 
     @staticmethod
     def token_logprobs(model, rollout: Rollout, with_entropy: bool = False):
-        """The completion tokens' fp32 log-probs (and entropies) from one teacher-forced forward of ``model``."""
-        ids = rollout.ids
+        """The completion tokens' fp32 log-probs (and entropies) from one teacher-forced forward of ``model``.
+
+        Runs on the model's device; the results come back on the CPU."""
+        ids = rollout.ids.to(next(model.parameters()).device)
         start = len(rollout.prompt_token_ids) - 1  # the logits row that predicts the first completion token
         with torch.no_grad():
             logits = model(input_ids=ids[None]).logits[0, start:-1]
         logp = logits.float().log_softmax(-1)  # what a trainer computes: fp32 log-softmax of the bf16 logits
         picked = logp.gather(-1, ids[start + 1 :, None])[:, 0]
         if not with_entropy:
-            return picked
-        return picked, -(logp.exp() * logp).sum(-1)
+            return picked.cpu()
+        return picked.cpu(), -(logp.exp() * logp).sum(-1).cpu()
 
     def logprobs(self, profile: str | Profile, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Each rollout's completion-token log-probs (fp32, 1-D) with the model patched to ``profile``."""
