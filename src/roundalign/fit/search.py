@@ -36,11 +36,11 @@ import torch
 
 import roundalign
 from roundalign.fit.space import Candidate, Space
+from roundalign.fit.verdict import KEYS, fitted_profile, margin, regions_verdict, sign_test
 from roundalign.probe.metrics import mismatch_metrics
 from roundalign.probe.trainer import Rollout, TrainerSide
 
 BITWISE_FLOOR = 0.05
-KEYS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "mismatch/log_ratio_rms")
 
 
 class DumpNotExplained(ValueError):
@@ -83,14 +83,6 @@ class FitResult:
     @property
     def best(self) -> Scored:
         return self.ranking[0]
-
-
-def sign_test(a: torch.Tensor, b: torch.Tensor, data: torch.Tensor) -> tuple[int, int, float]:
-    """Tokens where ``a`` is closer to ``data`` than ``b``, the reverse, and the sign test's z (0 if none differ)."""
-    da, db = (a.double() - data.double()).abs(), (b.double() - data.double()).abs()
-    wins, losses = int((da < db).sum()), int((db < da).sum())
-    n = wins + losses
-    return wins, losses, (wins - losses) / math.sqrt(n) if n else 0.0
 
 
 class _Scorer:
@@ -141,7 +133,34 @@ def _excess(entries: list[Scored], best: Scored, idxs: list[int], data: torch.Te
             "tokens": int(ref.numel())}
 
 
-def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, clear_z: float) -> tuple[set, list[dict]]:
+def _screen_prefix(rollouts: list[Rollout], screen_tokens: int) -> tuple[list[int], int]:
+    """The first whole sequences that hold at least ``screen_tokens`` tokens, and their token count."""
+    idxs, count = [], 0
+    for i, r in enumerate(rollouts):
+        if count >= screen_tokens:
+            break
+        idxs.append(i)
+        count += len(r.token_ids)
+    return idxs, count
+
+
+def _model_check(entries: list[Scored], idxs: list[int], data: torch.Tensor, max_excess: float) -> dict:
+    """``_excess`` against the best of the sorted ``entries``; raises ``DumpNotExplained`` above ``max_excess``."""
+    excess = _excess(entries, entries[0], idxs, data, max_excess)
+    if excess["excess"] <= max_excess:
+        return excess
+    raise DumpNotExplained(
+        f"the dump is not explained by any rounding profile: its log-probs are {excess['distance_rms']:.3g} "
+        f"(RMS log-ratio over {excess['tokens']} tokens) from the closest candidate, {excess['excess']:.3g}x the "
+        f"typical difference between rounding rules ({excess['rounding_scale_rms']:.3g}; the limit is "
+        f"{max_excess:g}x, --max-excess). Check that --model is the checkpoint the engine served (same weights, "
+        "same revision), that the dump holds raw log-probs (vLLM logprobs_mode='raw_logprobs', no temperature or "
+        "penalties applied), and that the prompts were tokenized with this model's tokenizer. If all of that is "
+        "right and the engine's kernels simply differ more, raise --max-excess.",
+        {**excess, "closest": entries[0].candidate.label(), "metrics": entries[0].metrics})
+
+
+def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, prune_z: float) -> tuple[set, list[dict]]:
     """The options each region drops on the screen: beaten by the best on a clear majority of differing tokens."""
     ref = best.cat(idxs)
     dropped, decisions = set(), []
@@ -156,7 +175,7 @@ def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, clear_
             wins, losses, z = sign_test(ref, e.cat(idxs), data)
             decision = {"region": region, "rule": option, "kept_rule": winner, "best_with_rule": e.candidate.label(),
                         "tokens_closer_with_kept": wins, "tokens_closer_with_rule": losses, "z": z,
-                        "dropped": z >= clear_z}
+                        "dropped": z >= prune_z}
             decisions.append(decision)
             if decision["dropped"]:
                 dropped.add((region, option))
@@ -188,15 +207,9 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     scorer = _Scorer(model, space, rollouts, progress)
     t0 = time.perf_counter()
 
-    # The screening prefix: whole sequences until screen_tokens; only worth it when the rest is at least as long.
-    screen_idx, count = [], 0
-    for i, r in enumerate(rollouts):
-        if count >= screen_tokens:
-            break
-        screen_idx.append(i)
-        count += len(r.token_ids)
-    screening = not exhaustive and n_tokens - count >= count
-    first = screen_idx if screening else everything
+    first, count = _screen_prefix(rollouts, screen_tokens)
+    screening = not exhaustive and n_tokens - count >= count  # worth it only when the rest is at least as long
+    first = first if screening else everything
     if on_total:
         on_total(len(entries) * len(first))
 
@@ -207,17 +220,7 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     rank_by = "bitwise" if bitwise_max >= BITWISE_FLOOR else "k3_kl"
     entries.sort(key=_rank_key(rank_by, named))
     first_data = torch.cat([data[i] for i in first])
-    excess = _excess(entries, entries[0], first, first_data, max_excess)
-    if excess["excess"] > max_excess:
-        raise DumpNotExplained(
-            f"the dump is not explained by any rounding profile: its log-probs are {excess['distance_rms']:.3g} "
-            f"(RMS log-ratio over {excess['tokens']} tokens) from the closest candidate, {excess['excess']:.3g}x the "
-            f"typical difference between rounding rules ({excess['rounding_scale_rms']:.3g}; the limit is "
-            f"{max_excess:g}x, --max-excess). Check that --model is the checkpoint the engine served (same "
-            "weights, same revision), that the dump holds raw log-probs (vLLM logprobs_mode='raw_logprobs', no "
-            "temperature or penalties applied), and that the prompts were tokenized with this model's tokenizer. "
-            "If all of that is right and the engine's kernels simply differ more, raise --max-excess.",
-            {**excess, "closest": entries[0].candidate.label(), "metrics": entries[0].metrics})
+    excess = _model_check(entries, first, first_data, max_excess)
 
     screen: list[Scored] = []
     pruned: list[dict] = []
@@ -245,81 +248,15 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     ref = best.cat(everything)
     equivalents = [e.candidate for e in survivors if torch.equal(e.cat(everything), ref)]
     runner_up = next((e for e in survivors if e.candidate not in equivalents), None)
-    margin = _margin(best, runner_up, everything, torch.cat([data[i] for i in everything]), decide_z)
     data_all = torch.cat([data[i] for i in everything])
-    regions = _regions(space, survivors, equivalents, everything, data_all, pruned, decide_z)
+    margin_ = margin(best, runner_up, everything, data_all, decide_z)
+    regions = regions_verdict(space, survivors, equivalents, everything, data_all, pruned, decide_z)
     undetermined = dict(space.idle)
     undetermined.update({r: d["why"] for r, d in regions.items() if d["status"] != "determined"})
     named_matches = [n for n, c in space.named().items() if c in equivalents]
     stats = {"tokens": n_tokens, "sequences": len(rollouts), "candidates": len(entries),
              "screen_tokens": count if screening else 0, "survivors": len(survivors), "forwards": scorer.forwards,
              "seconds": seconds, "seconds_per_forward": seconds / max(scorer.forwards, 1)}
-    profile = _fitted_profile(space, best.candidate, named_matches, regions, stats)
-    return FitResult(space, rank_by, survivors, screen, equivalents, runner_up, margin, regions, undetermined,
+    profile = fitted_profile(space, best.candidate, named_matches, regions, stats)
+    return FitResult(space, rank_by, survivors, screen, equivalents, runner_up, margin_, regions, undetermined,
                      named_matches, pruned, excess, profile, stats)
-
-
-def _regions(space: Space, survivors: list[Scored], equivalents, idxs, data, pruned, decide_z: float) -> dict:
-    """Per searched region: the best's rule, and whether the data decides it against the region's other rules.
-
-    ``identical``: a candidate with another rule here gives the best's log-probs bit for bit. ``determined``: the
-    best beats the best candidate with another rule here on a clear majority of the tokens where they differ
-    (z >= decide_z), or every other rule was dropped at screening. ``unclear``: neither; more tokens, or a prefill
-    dump (docs/fit.md), would decide it.
-    """
-    best = survivors[0]
-    ref = best.cat(idxs)
-    out = {}
-    for region in space.regions:
-        rule = best.candidate.rule(region)
-        same = sorted({c.rule(region) for c in equivalents} - {rule})
-        alt = next((e for e in survivors if e.candidate.rule(region) not in {rule, *same}), None)
-        if same:
-            why = f"{rule} and {', '.join(same)} give bitwise-identical log-probs on this dump"
-            if alt is not None:
-                wins, losses, z = sign_test(ref, alt.cat(idxs), data)
-                why += f"; vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} (z {z:.1f})"
-            out[region] = {"rule": rule, "status": "identical", "alternatives": same, "why": why}
-            continue
-        if alt is None:
-            zs = [d["z"] for d in pruned if d["region"] == region and d["dropped"]]
-            out[region] = {"rule": rule, "status": "determined", "z": min(zs) if zs else None,
-                           "why": f"every other rule dropped at screening (z >= {min(zs):.1f})" if zs else ""}
-            continue
-        wins, losses, z = sign_test(ref, alt.cat(idxs), data)
-        status = "determined" if z >= decide_z else "unclear"
-        out[region] = {"rule": rule, "status": status, "z": z, "vs": alt.candidate.rule(region),
-                       "tokens_closer_with_best": wins, "tokens_closer_with_other": losses,
-                       "why": f"{rule} vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} "
-                              f"(z {z:.1f}{'' if status == 'determined' else f' < {decide_z:g}'})"}
-    return out
-
-
-def _margin(best: Scored, runner_up: Scored | None, idxs, data: torch.Tensor, decide_z: float) -> dict:
-    if runner_up is None:
-        return {"runner_up": None}
-    wins, losses, z = sign_test(best.cat(idxs), runner_up.cat(idxs), data)
-    b, r = best.metrics, runner_up.metrics
-    return {"runner_up": runner_up.candidate.label(), "decided": z >= decide_z,
-            "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
-            "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
-            "tokens_closer_with_best": wins, "tokens_closer_with_runner_up": losses, "z": z}
-
-
-def _fitted_profile(space: Space, best: Candidate, named_matches, regions: dict, stats):
-    """The profile file's content: the best candidate, preferring a built-in profile's rules within its class."""
-    named = space.named()
-    chosen = next((named[n] for n in named_matches), best)
-    fill = named_matches[0] if named_matches else space.nearest_named(chosen)
-
-    def listed(status: str) -> str:
-        return ", ".join(r for r, d in regions.items() if d["status"] == status) or "none"
-
-    source = (f"roundalign fit on {stats['tokens']} tokens ({stats['sequences']} sequences), model_type "
-              f"{space.model_type}, head_dim {space.head_dim} (rope fitted for this head_dim only). Determined: "
-              f"{listed('determined')}; identical on the dump to other rules: {listed('identical')}; unclear: "
-              f"{listed('unclear')}; not exercised, filled from {fill}: {', '.join(space.idle) or 'none'}")
-    engines = ("fit: bitwise identical on the dump to " + ", ".join(named_matches)) if named_matches else \
-        f"fit: no built-in profile matches; nearest {fill}"
-    return space.profile(chosen, name=f"fit-{named_matches[0]}" if named_matches else "fit", fill=fill,
-                         engines=engines, source=source)
