@@ -207,6 +207,8 @@ def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, c
     report = json.loads(capsys.readouterr().out)
     assert set(report["named_matches"]) == {"sglang", "aligned"}  # identical at head_dim 64
     assert report["regions"]["expert_swiglu"]["status"] == "not exercised"
+    assert report["best"]["mismatch/bitwise_equal_frac"] == 1.0
+    assert report["margin"]["k3_kl_ratio"] is None  # over a best k3_kl of 0: strict JSON has no Infinity
     saved = Profile.load(out / "profile.json")
     assert json.loads((out / "report.json").read_text())["profile"] == saved.to_dict()
     shipped_space = Space.of(load_trainer_model(models.path()))

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, console) -> int:
         except DumpNotExplained as exc:
             progress.stop()
             if args.json:
-                print(json.dumps({"error": str(exc), "evidence": exc.evidence}, indent=2))
+                print(json.dumps(report.jsonable({"error": str(exc), "evidence": exc.evidence}), indent=2))
             else:
                 console.print(f"[bold red]not fitted[/]: {exc}", highlight=False)
                 console.print(report.render_not_explained(exc), highlight=False)
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = report.as_dict(result, top=args.top)
     result.profile.save(out / "profile.json")
-    (out / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

@@ -6,10 +6,23 @@ a ``FitResult`` and nothing else, so the numbers on screen and on disk are the s
 
 from __future__ import annotations
 
+import math
+
 from roundalign.fit.search import KEYS, DumpNotExplained, FitResult
 from roundalign.fit.space import short
 
 STATUS_STYLE = {"determined": "green", "identical": "yellow", "unclear": "red", "not exercised": "dim"}
+
+
+def jsonable(obj):
+    """``obj`` with non-finite floats as None: strict JSON has no Infinity (a k3_kl ratio over a best k3_kl of 0)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
 
 
 def as_dict(result: FitResult, top: int = 10) -> dict:
@@ -19,7 +32,7 @@ def as_dict(result: FitResult, top: int = 10) -> dict:
     regions = {r: dict(d) for r, d in result.regions.items()}
     for region, why in result.space.idle.items():
         regions[region] = {"rule": None, "status": "not exercised", "why": why}
-    return {
+    return jsonable({
         "profile": result.profile.to_dict(),
         "named_matches": result.named_matches,
         "rank_by": result.rank_by,
@@ -33,7 +46,7 @@ def as_dict(result: FitResult, top: int = 10) -> dict:
         "pruned": result.pruned,
         "excess": result.excess,
         "stats": result.stats,
-    }
+    })
 
 
 def _fmt(x) -> str:
