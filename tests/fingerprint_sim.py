@@ -3,10 +3,11 @@
 - ``ProfileAdapter``: roundalign.ops under a named profile's rules, the way an engine with that profile rounds.
   Within one case's graph a compiled engine's residual is carried unrounded (``round_at_attention``,
   ``never_round``); the runner rounds it only where it leaves the graph, as an engine does at a piece edge.
-- ``NativeAdapter``: vLLM's ``forward_native`` code, restated in ``roundalign.engine.native`` (sources there and in
-  docs/vllm-compiled.md), run eagerly or under ``torch.compile`` (Inductor, default config) by the runner's own
-  ``Adapter.graph``. The MoE experts' activation is an opaque op running the same code eagerly, as vLLM's fused MoE
-  calls its CUDA ``silu_and_mul`` whatever the mode.
+- ``ShapeDependentAdapter``: a profile whose RMSNorm rule depends on the hidden size, as a kernel chosen by shape
+  would: the reader must give the model's shapes their own line and the profile must follow them.
+
+vLLM's ``forward_native`` code is not simulated here: the runner's own ``--engine native`` adapter
+(``runner.NativeAdapter``) is what the tests run, so the user's dry-run code path is the tested one.
 - ``WrongAdapter``: a profile whose SwiGLU and RoPE round somewhere no rule does (truncation instead of
   round-to-nearest-even; cos/sin in fp16), to check that the reader says "no rule" instead of picking the closest.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from roundalign.engine.native import cos_sin_cache, rms_norm_native, rope_native, silu_and_mul_native
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint.runner import Adapter
 from roundalign.ops import residual_add, rms_norm, rope, swiglu
@@ -99,36 +99,28 @@ class WrongAdapter(ProfileAdapter):
         return cos.to(torch.float16), sin.to(torch.float16)
 
 
-@torch.library.custom_op("fingerprint_sim::silu_and_mul", mutates_args=())
-def _opaque_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_native(x)  # runs eagerly even inside a compiled graph, like vLLM's CUDA op
+class ShapeDependentAdapter(ProfileAdapter):
+    """``profile``, except that RMSNorm (plain and after the residual add) rounds before the weight on rows of
+    ``hidden`` elements: a rule that depends on the shape, as a kernel picked by size would."""
 
+    engine = "sim-shape"
 
-@_opaque_silu_and_mul.register_fake
-def _(x):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    def __init__(self, profile, hidden: int, mode: str = "eager"):
+        super().__init__(profile, mode)
+        self.hidden = hidden
 
-
-class NativeAdapter(Adapter):
-    """vLLM's forward_native layers (roundalign.engine.native); ``mode`` picks eager or torch.compile."""
-
-    engine = "sim-vllm-native"
-
-    def __init__(self, mode: str):
-        super().__init__(mode, device="cpu")
+    def _norm_rule(self, weight):
+        return "round_before_weight" if weight.shape[0] == self.hidden else self.profile.rms_norm
 
     def rms_norm(self, weight, eps):
-        return lambda x: rms_norm_native(x, weight, eps)
+        return lambda x: rms_norm(x, weight, eps, self._norm_rule(weight))
 
     def add_rms_norm(self, weight, eps):
-        return lambda x, residual: rms_norm_native(x, weight, eps, residual)
+        rule = self.profile.residual
 
-    def silu_and_mul(self):
-        return silu_and_mul_native
-
-    def expert_silu_and_mul(self):
-        return _opaque_silu_and_mul
-
-    def rope(self, head_dim, theta, max_position):
-        cache = cos_sin_cache(B.inv_freq(head_dim, theta), max_position, BF16)  # vLLM's cache in the model dtype
-        return lambda positions, q, k: rope_native(positions, q, k, cache, head_dim)
+        def add(x, residual):
+            res, normed_input = residual_add(x, residual, rule)
+            out = rms_norm(normed_input, weight, eps, self._norm_rule(weight), out_dtype=BF16)
+            carried = normed_input if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else res
+            return out, carried
+        return add

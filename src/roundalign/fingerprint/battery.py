@@ -21,9 +21,16 @@ Why these inputs:
   ``qk_norm=fused_into_rope``) and two "add + RMSNorm" calls in one graph (is the residual carried between them
   rounded?).
 
+Shaped like the user's model (``make_battery(model=model_constants(path))``, ``roundalign fingerprint make --model``):
+the same case builders again, at the constants of the model's config.json (head_dim, RoPE theta and max positions,
+rms_norm_eps, hidden_size, intermediate_size, moe_intermediate_size), marked ``model: True``, with those constants
+recorded in ``battery["model"]``. Kernels pick code paths by shape (SGLang's RoPE by head_dim), so the rule that
+matters is the one at the model's shapes; the reader reports it on its own line.
+
 Deterministic: every case draws from its own seeded CPU generator, so two runs give bitwise equal tensors; the
 battery's ``id`` (a SHA-256 of every tensor and constant) lets the reader check that a results file carries the
-battery it was run on, unmodified.
+battery it was run on, unmodified. Version 2 added the model cases and ``battery["model"]``; version-1 files (no
+model cases) are still read, with their own id formula.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from roundalign.engine.native import cos_sin_cache
 from roundalign.ops import rope, swiglu
 
 FORMAT = "roundalign-fingerprint-battery"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # what this roundalign reads
+QK_NORM_MODELS = ("qwen3", "qwen3_moe")  # model types with a per-head q/k RMSNorm before RoPE
 DTYPE = torch.bfloat16
 EPS = 1e-6
 MAX_POSITION = 65536
@@ -108,10 +117,11 @@ def _swiglu_near_ties(tokens: int, d: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat((picked[..., 0], picked[..., 1]), -1)
 
 
-def _rope_near_ties(tokens: int, heads: int, head_dim: int, positions, theta: float, g: torch.Generator):
+def _rope_near_ties(tokens: int, heads: int, head_dim: int, positions, theta: float, g: torch.Generator,
+                    max_position: int = MAX_POSITION):
     """q or k (tokens, heads * head_dim) whose rotated pairs (x1, x2) make the four RoPE rules disagree."""
     x = (2 * torch.randn(CANDIDATES, tokens, heads, head_dim, generator=g)).to(DTYPE)
-    outs = [rope_rule_outputs(x[k], positions, head_dim, theta, MAX_POSITION) for k in range(CANDIDATES)]
+    outs = [rope_rule_outputs(x[k], positions, head_dim, theta, max_position) for k in range(CANDIDATES)]
     half = head_dim // 2
     score = torch.zeros(CANDIDATES, tokens, heads, half, dtype=torch.int32)
     for k, by_rule in enumerate(outs):
@@ -124,11 +134,11 @@ def _rope_near_ties(tokens: int, heads: int, head_dim: int, positions, theta: fl
     return _pick(x, score, tokens // 4).reshape(tokens, heads * head_dim)
 
 
-def _positions(tokens: int, g: torch.Generator) -> torch.Tensor:
-    """A quarter small (0, 1, ...), the rest random up to MAX_POSITION - 1, which is included."""
+def _positions(tokens: int, g: torch.Generator, max_position: int = MAX_POSITION) -> torch.Tensor:
+    """A quarter small (0, 1, ...), the rest random up to ``max_position - 1``, which is included."""
     small = torch.arange(tokens // 4)
-    large = torch.randint(0, MAX_POSITION, (tokens - tokens // 4,), generator=g)
-    large[-1] = MAX_POSITION - 1
+    large = torch.randint(0, max_position, (tokens - tokens // 4,), generator=g)
+    large[-1] = max_position - 1
     return torch.cat((small, large))
 
 
@@ -141,12 +151,14 @@ _SEP_ROPE = "cos/sin bf16 vs fp32 x per_op r(r(x1*c)-r(x2*s)) vs once r(x1*c-x2*
 _SEP_QK = "q/k norm round_before_weight vs round_after_weight vs fused_into_rope (norm unrounded into RoPE)"
 
 
-def make_battery(seed: int = 0) -> dict:
-    """The battery as a dict (see the module docstring); bitwise the same for the same ``seed``."""
+def make_battery(seed: int = 0, model: dict | None = None) -> dict:
+    """The battery as a dict (see the module docstring); bitwise the same for the same ``seed`` and ``model``
+    (``model_constants``: adds the cases shaped like that model)."""
     cases: list[dict] = []
 
-    def add(name, op, region, separates, params, inputs):
-        cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs))
+    def add(name, op, region, separates, params, inputs, is_model=False):
+        cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs,
+                          model=is_model))
 
     tokens = 16  # rows; small hidden sizes get more, so that every case has at least 8192 elements
     for hidden in (128, 1024, 4096):
@@ -185,16 +197,109 @@ def make_battery(seed: int = 0) -> dict:
              "k": _rows(rope_tokens, k_heads * head_dim, g),
              "q_weight": _weight(head_dim, g), "k_weight": _weight(head_dim, g)})
 
-    battery = {"format": FORMAT, "version": VERSION, "dtype": "bfloat16", "seed": seed, "cases": cases}
+    if model is not None:
+        _model_cases(add, lambda: _gen(seed, len(cases)), model)
+    battery = {"format": FORMAT, "version": VERSION, "dtype": "bfloat16", "seed": seed, "model": model,
+               "cases": cases}
     battery["id"] = battery_id(battery)
     return battery
 
 
+def _model_cases(add, gen, m: dict) -> None:
+    """The generic builders again at the model's constants (``model_constants``), each case marked ``model``."""
+    hidden, eps, hd = m["hidden_size"], m["rms_norm_eps"], m["head_dim"]
+    rows = max(16, 8192 // hidden)  # at least 8192 elements per norm case, as the generic ones
+    g = gen()
+    add(f"model/rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": eps},
+        {"x": _rows(rows, hidden, g), "weight": _weight(hidden, g)}, True)
+    g = gen()
+    add(f"model/add_rms_norm/h{hidden}", "add_rms_norm", "residual", _SEP_ADD, {"eps": eps},
+        {"x": _rows(rows, hidden, g), "residual": _rows(rows, hidden, g), "weight": _weight(hidden, g)}, True)
+    g = gen()
+    add(f"model/add_rms_norm_chain/h{hidden}", "add_rms_norm_chain", "residual", _SEP_CHAIN, {"eps": eps},
+        {"x1": _rows(rows, hidden, g), "residual": _rows(rows, hidden, g), "x2": _rows(rows, hidden, g),
+         "weight1": _weight(hidden, g), "weight2": _weight(hidden, g)}, True)
+    if m.get("intermediate_size"):
+        d, g = m["intermediate_size"], gen()
+        add(f"model/silu_and_mul/d{d}", "silu_and_mul", "swiglu", _SEP_SWIGLU, {},
+            {"x": _swiglu_near_ties(16, d, g)}, True)
+    if m.get("moe_intermediate_size"):
+        d, g = m["moe_intermediate_size"], gen()
+        add(f"model/expert_silu_and_mul/d{d}", "expert_silu_and_mul", "expert_swiglu", _SEP_SWIGLU, {},
+            {"x": _swiglu_near_ties(32, d, g)}, True)
+    rope_tokens, max_position = 32, m["max_position_embeddings"]
+    params = {"head_dim": hd, "theta": m["rope_theta"], "max_position": max_position}
+    g = gen()
+    pos = _positions(rope_tokens, g, max_position)
+    add(f"model/rope/hd{hd}", "rope", "rope", _SEP_ROPE, params,
+        {"positions": pos, "q": _rope_near_ties(rope_tokens, 4, hd, pos, m["rope_theta"], g, max_position),
+         "k": _rope_near_ties(rope_tokens, 2, hd, pos, m["rope_theta"], g, max_position)}, True)
+    if m.get("qk_norm"):
+        g = gen()
+        pos = _positions(rope_tokens, g, max_position)
+        add(f"model/qk_norm_rope/hd{hd}", "qk_norm_rope", "qk_norm", _SEP_QK, {**params, "eps": eps},
+            {"positions": pos, "q": _rows(rope_tokens, 4 * hd, g), "k": _rows(rope_tokens, 2 * hd, g),
+             "q_weight": _weight(hd, g), "k_weight": _weight(hd, g)}, True)
+
+
+def model_constants(model: str | Path) -> dict:
+    """The constants of a model's config.json that shape its cases, read with transformers' AutoConfig from local
+    files only. ``model``: a model directory (what ``from_pretrained`` loads), its config.json, or ``"shipped"``
+    for roundalign's tiny-qwen3 (``roundalign.models.path()``)."""
+    from transformers import AutoConfig
+
+    if str(model) == "shipped":
+        import roundalign.models
+
+        path, name = roundalign.models.path(), "tiny-qwen3"
+    else:
+        path = Path(model)
+        path = path.parent if path.is_file() and path.name == "config.json" else path
+        name = path.resolve().name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model}: no config.json in {path}; give a local model directory (the one "
+                                "from_pretrained loads) or 'shipped' for roundalign's tiny-qwen3")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # unknown model_type, bad JSON, transformers' validators (their own error classes)
+        raise ValueError(f"--model {model}: transformers cannot read {path / 'config.json'}: {exc}") from exc
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta if theta is not None else getattr(config, "rope_theta", None)
+    found = {"hidden_size": getattr(config, "hidden_size", None), "rms_norm_eps": getattr(config, "rms_norm_eps", None),
+             "rope_theta": theta, "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+             "num_attention_heads": getattr(config, "num_attention_heads", None)}
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        raise ValueError(f"--model {model}: its config ({config.model_type}) has no {', '.join(missing)}; the "
+                         "battery needs them (a decoder LM with RMSNorm and RoPE: Llama, Qwen2, Qwen3, Qwen3-MoE)")
+    head_dim = getattr(config, "head_dim", None) or found["hidden_size"] // found["num_attention_heads"]
+    if head_dim % 2:
+        raise ValueError(f"--model {model}: head_dim {head_dim} is odd; RoPE rotates pairs")
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    moe = (getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)) if experts \
+        else None
+    return {"name": name, "path": str(path.resolve()), "model_type": config.model_type, "head_dim": int(head_dim),
+            "rope_theta": float(theta), "rope_type": str(rope.get("rope_type", "default")) if isinstance(rope, dict)
+            else "default", "rms_norm_eps": float(found["rms_norm_eps"]), "hidden_size": int(found["hidden_size"]),
+            "intermediate_size": int(getattr(config, "intermediate_size", 0) or 0) or None,
+            "moe_intermediate_size": int(moe) if moe else None,
+            "max_position_embeddings": int(found["max_position_embeddings"]),
+            "qk_norm": config.model_type in QK_NORM_MODELS}
+
+
 def battery_id(battery: dict) -> str:
-    """SHA-256 over every case's name, op, constants and input bytes: changes if anything in the battery does."""
-    h = hashlib.sha256(f"{battery['format']}/{battery['version']}".encode())
+    """SHA-256 over every case's name, op, constants and input bytes: changes if anything in the battery does.
+    Version 2 also hashes the model's constants (not its path, which is machine-specific) and the case flags."""
+    version = battery["version"]
+    h = hashlib.sha256(f"{battery['format']}/{version}".encode())
+    if version >= 2:
+        model = battery.get("model")
+        h.update(repr(None if model is None else sorted((k, v) for k, v in model.items() if k != "path")).encode())
     for case in battery["cases"]:
         h.update(f"{case['name']}|{case['op']}|{sorted(case['params'].items())}".encode())
+        if version >= 2:
+            h.update(f"|model={bool(case.get('model'))}".encode())
         for key in sorted(case["inputs"]):
             t = case["inputs"][key]
             h.update(f"{key}{tuple(t.shape)}{t.dtype}".encode())
@@ -202,8 +307,8 @@ def battery_id(battery: dict) -> str:
     return h.hexdigest()
 
 
-def save_battery(path: str | Path, seed: int = 0) -> dict:
-    battery = make_battery(seed)
+def save_battery(path: str | Path, seed: int = 0, model: dict | None = None) -> dict:
+    battery = make_battery(seed, model)
     torch.save(battery, Path(path))
     return battery
 
@@ -213,9 +318,10 @@ def check_battery(battery: dict, where: str) -> None:
     if not isinstance(battery, dict) or battery.get("format") != FORMAT:
         raise ValueError(f"{where} does not hold a roundalign fingerprint battery; make one with "
                          "`roundalign fingerprint make --out battery.pt`")
-    if battery.get("version") != VERSION:
-        raise ValueError(f"{where} holds battery version {battery.get('version')}, this roundalign reads version "
-                         f"{VERSION}: make a new battery (`roundalign fingerprint make`) and run it again")
+    if battery.get("version") not in VERSIONS:
+        raise ValueError(f"{where} holds battery version {battery.get('version')}, this roundalign reads versions "
+                         f"{', '.join(map(str, VERSIONS))}: make a new battery (`roundalign fingerprint make`) and "
+                         "run it again")
     if battery_id(battery) != battery.get("id"):
         raise ValueError(f"{where}: the battery's tensors or constants do not match its id (modified or "
                          "truncated); make a new battery with `roundalign fingerprint make` and run it again")
@@ -226,8 +332,8 @@ def describe(battery: dict) -> list[dict]:
     rows = []
     for case in battery["cases"]:
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in case["inputs"].items())
-        rows.append({"case": case["name"], "region": case["region"], "inputs": shapes,
-                     "params": case["params"], "separates": case["separates"]})
+        rows.append({"case": case["name"], "region": case["region"], "inputs": shapes, "params": case["params"],
+                     "model": bool(case.get("model")), "separates": case["separates"]})
     return rows
 
 

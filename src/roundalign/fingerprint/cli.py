@@ -1,13 +1,15 @@
 """``roundalign fingerprint make | read | runner``: the op-level battery from the command line.
 
     roundalign fingerprint make --out battery.pt            # the battery's inputs (deterministic)
+    roundalign fingerprint make --model PATH --out b.pt     # plus cases shaped like that model (or --model shipped)
     roundalign fingerprint runner --out run_fingerprint.py  # the standalone script to run on the engine's machine
     roundalign fingerprint read results.pt [--json]         # the rule per region and mode, with the evidence
     roundalign fingerprint read results.pt --profile-out compiled vllm.json --residual round_at_attention
 
 ``read`` prints one table per run (engine and mode): each region's rule, whether it is determined, and the evidence
-(the fraction of elements equal to each rule's output, and the largest ulp distance). Bad input exits with status 2
-and a message that names the problem.
+(the fraction of elements equal to each rule's output, and the largest ulp distance), and, for a battery made with
+``--model``, a line "for your model (head_dim=..)" with the rules at the model's shapes. Bad input exits with
+status 2 and a message that names the problem.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     make = sub.add_parser("make", help="write the battery's inputs", description="write the battery's inputs")
     make.add_argument("--out", default="battery.pt", metavar="PATH", help="where to write it (default battery.pt)")
     make.add_argument("--json", action="store_true", help="print the case list as JSON instead of a table")
+    make.add_argument("--model", metavar="PATH",
+                      help="also add cases shaped like this model (a local directory with config.json; 'shipped' "
+                           "for roundalign's tiny-qwen3): its head_dim, RoPE theta, eps, hidden and MLP sizes")
     runner = sub.add_parser("runner", help="copy out the standalone runner script",
                             description="copy out the script that runs the battery on the engine's machine")
     runner.add_argument("--out", default="run_fingerprint.py", metavar="PATH",
@@ -49,18 +54,25 @@ def run(args: argparse.Namespace, console) -> int:
 
 
 def _make(args, console) -> int:
-    from roundalign.fingerprint.battery import describe, save_battery
+    from roundalign.fingerprint.battery import describe, model_constants, save_battery
 
-    battery = save_battery(args.out)
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a directory; give a file name such as {Path(args.out) / 'battery.pt'}")
+    model = model_constants(args.model) if args.model else None
+    battery = save_battery(args.out, model=model)
     rows = describe(battery)
     if args.json:
-        print(json.dumps({"path": str(args.out), "id": battery["id"], "version": battery["version"], "cases": rows},
-                         indent=2))
+        print(json.dumps({"path": str(args.out), "id": battery["id"], "version": battery["version"],
+                          "model": battery["model"], "cases": rows}, indent=2))
         return 0
     from rich.table import Table
 
+    shaped = f"; model cases for {_model_label(model)}" if model else ""
+    if model and model["rope_type"] != "default":  # the battery has plain RoPE only (docs/fingerprint.md)
+        shaped += f" (its rope_type {model['rope_type']} is tested as plain RoPE at its theta)"
     table = Table(title=f"fingerprint battery v{battery['version']} -> {args.out}",
-                  caption=f"id {battery['id'][:16]}...; next: roundalign fingerprint runner --out run_fingerprint.py")
+                  caption=f"id {battery['id'][:16]}...{shaped}; next: roundalign fingerprint runner --out "
+                          "run_fingerprint.py")
     for col in ("case", "region", "inputs", "separates"):
         table.add_column(col, overflow="fold")
     for row in rows:
@@ -80,6 +92,7 @@ def _runner(args, console) -> int:
     shutil.copyfile(runner_source(), out)
     console.print(f"wrote {out}. On the engine's machine, in the engine's Python:\n"
                   f"  python {out.name} battery.pt --engine vllm --out results.pt   (or --engine sglang)\n"
+                  f"(a dry run on any machine, vLLM's native code: python {out.name} battery.pt --engine native)\n"
                   "then bring results.pt back: roundalign fingerprint read results.pt")
     return 0
 
@@ -95,16 +108,26 @@ def _read(args, console) -> int:
     entries = read_results(load_results(path))
     written = _profile_out(args, entries) if args.profile_out else None
     if args.json:
-        data = [{k: v for k, v in e.items() if k != "regions"} | {"regions": {n: r.to_dict() for n, r in
-                                                                              e["regions"].items()}} for e in entries]
+        data = [{k: v for k, v in e.items() if k not in ("regions", "model")}
+                | {"regions": {n: r.to_dict() for n, r in e["regions"].items()}, "model": _model_json(e["model"])}
+                for e in entries]
         print(json.dumps({"runs": data, "profile_out": written}, indent=2))
         return 0
     for entry in entries:
         console.print(_table(entry))
+        if entry["model"]:
+            console.print(model_line(entry["model"]), highlight=False)
     if written:
         console.print(f"wrote profile {written['name']} to {written['path']}: "
                       + ", ".join(f"{k} from {v}" for k, v in written["sources"].items()))
     return 0
+
+
+def _model_json(model: dict | None) -> dict | None:
+    if model is None:
+        return None
+    return {"constants": model["constants"], "line": model_line(model), "differs": model["differs"],
+            "regions": {n: r.to_dict() for n, r in model["regions"].items()}}
 
 
 def _profile_out(args, entries) -> dict:
@@ -119,6 +142,27 @@ def _profile_out(args, entries) -> dict:
     profile, sources = build_profile(chosen[0], args.residual)
     profile.save(out)
     return {"name": profile.name, "path": str(out), "sources": sources}
+
+
+def _model_label(constants: dict) -> str:
+    c = constants
+    sizes = ", ".join(f"{k}={c[k]:g}" if isinstance(c[k], float) else f"{k}={c[k]}"
+                      for k in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_size", "intermediate_size",
+                                "moe_intermediate_size") if c.get(k) is not None)
+    return f"{c['name']} ({sizes})"
+
+
+def model_line(model: dict) -> str:
+    """'for your model NAME (head_dim=..): region rule, ...', and the regions that differ from the generic cases."""
+    parts = []
+    for name, region in model["regions"].items():
+        status = "" if region.status == "determined" else f" ({region.status})"
+        parts.append(f"{name} {'|'.join(region.rules) or '-'}{status}")
+    line = f"for your model {_model_label(model['constants'])}: " + ", ".join(parts)
+    if model["differs"]:
+        line += (f"\n  differs from the generic cases in: {', '.join(model['differs'])} (the engine's rule depends on "
+                 "the shape; the profile follows your model's)")
+    return line
 
 
 def _evidence(region) -> str:

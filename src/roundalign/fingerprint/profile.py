@@ -4,6 +4,10 @@ Every region comes from the battery when the reader determined it. The one the o
 the residual: ``round_at_attention`` and ``never_round`` give the same op outputs. The user then names it with
 ``--residual`` (from ``roundalign fit``, or from knowing how the engine splits its graphs), and the profile's
 ``source`` says which regions came from where. Anything else undetermined is refused, never guessed.
+
+With a battery made for a model (``--model``), the regions its cases cover are taken from them, at the model's own
+shapes, and RoPE is one plain rule at the model's head dim; the generic cases fill in the rest (e.g. the experts'
+SwiGLU of a dense model). Without one, RoPE is one rule or a head_dim-dependent one from the generic head dims.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ def _rope(region) -> RopeRule | HeadDimRope:
 
 def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, dict[str, str]]:
     """(Profile, {region: source}) from one entry of ``reader.read_results``; ValueError when a region is open."""
-    regions = entry["regions"]
+    model = entry.get("model")
+    covered = model["regions"] if model else {}
+    regions = {name: covered.get(name, r) for name, r in entry["regions"].items()}
     tag = f"{entry['engine']} {entry['mode']}"
     open_ = {name: r for name, r in regions.items() if r.status != "determined"}
     residual_region = regions["residual"]
@@ -47,15 +53,17 @@ def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, di
         raise ValueError(f"cannot write a profile for the {tag} run, not every region is determined: {detail}{hint}")
     rules = {name: r.rules[0] for name, r in regions.items() if name != "rope"}
     rules["residual"] = residual or rules["residual"]
-    sources = {name: "battery" for name in regions}
+    sources = {name: "battery (the model's shapes)" if name in covered else "battery" for name in regions}
     if residual is not None and residual_region.status != "determined":
         sources["residual"] = "--residual (the op level cannot tell it)"
     version = entry.get("engine_version", "?")
+    rope = RopeRule.parse(regions["rope"].rules[0]) if model else _rope(regions["rope"])
+    shaped = f", for {model['constants']['name']} (head_dim={model['constants']['head_dim']})" if model else ""
     profile = Profile(
         name=f"fingerprint-{entry['engine']}-{entry['mode']}",
-        rope=_rope(regions["rope"]),
+        rope=rope,
         engines=f"{entry['engine']} {version}, {entry['mode']} mode, {entry.get('device', '?')}, "
-                f"torch {entry.get('torch', '?')}",
+                f"torch {entry.get('torch', '?')}{shaped}",
         source="roundalign fingerprint read: " + ", ".join(f"{k} from {v}" for k, v in sources.items()),
         **rules,
     )

@@ -25,6 +25,10 @@ a sixth to three quarters of the elements of some case (the battery picks near-t
 Joint regions: the add + norm cases depend on the norm rule too, and the q/k-norm chain on the RoPE rule of its head
 dim, so their candidates are combinations; the region's answer is the rule part of the matching combination. RoPE
 is decided per head dim (SGLang's depends on it).
+
+A battery made with ``--model`` is read twice: the generic cases per region as above, and the cases shaped like the
+model (``model: True``) on their own, with the same criterion, as ``entry["model"]``: the rules at the model's own
+shapes (RoPE at its head dim and theta), and the regions where they differ from the generic answer.
 """
 
 from __future__ import annotations
@@ -226,8 +230,13 @@ def _by_region(battery: dict) -> dict[str, list[dict]]:
     return out
 
 
-def read_run(battery: dict, outputs: dict) -> dict[str, Region]:
-    cases = _by_region(battery)
+REGION_ORDER = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
+
+
+def read_run(battery: dict, outputs: dict, model: bool = False) -> dict[str, Region]:
+    """The Region per region, from the generic cases, or (``model=True``) from the cases shaped like the model:
+    then only the regions it has, and RoPE at its one head dim decided as one region."""
+    cases = _by_region({"cases": [c for c in battery["cases"] if bool(c.get("model")) == model]})
     norms = [r.value for r in RMSNormRule]
     regions = {"rms_norm": _decide("rms_norm", "norm", [{"norm": n} for n in norms], outputs, cases["rms_norm"])}
     res = [{"residual": r.value, "norm": n} for r in ResidualRule for n in norms]
@@ -236,14 +245,33 @@ def read_run(battery: dict, outputs: dict) -> dict[str, Region]:
     for case in cases["rope"]:
         per_hd[case["params"]["head_dim"]] = _decide("rope", "rope", [{"rope": r} for r in B.ROPE_RULES],
                                                      outputs, [case])
-    regions["rope"] = _rope_region(per_hd)
-    hds = sorted({c["params"]["head_dim"] for c in cases["qk_norm"]})
-    qk = [{"qk_norm": q.value, **{f"rope@{hd}": r for hd, r in zip(hds, rr, strict=True)}}
-          for q in QKNormRule for rr in itertools.product(B.ROPE_RULES, repeat=len(hds))]
-    regions["qk_norm"] = _decide("qk_norm", "qk_norm", qk, outputs, cases["qk_norm"])
+    regions["rope"] = next(iter(per_hd.values())) if model else _rope_region(per_hd)
+    if "qk_norm" in cases:
+        hds = sorted({c["params"]["head_dim"] for c in cases["qk_norm"]})
+        qk = [{"qk_norm": q.value, **{f"rope@{hd}": r for hd, r in zip(hds, rr, strict=True)}}
+              for q in QKNormRule for rr in itertools.product(B.ROPE_RULES, repeat=len(hds))]
+        regions["qk_norm"] = _decide("qk_norm", "qk_norm", qk, outputs, cases["qk_norm"])
     for region in ("swiglu", "expert_swiglu"):
-        regions[region] = _decide(region, "swiglu", [{"swiglu": s.value} for s in SwiGLURule], outputs, cases[region])
-    return {name: regions[name] for name in ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")}
+        if region in cases:
+            regions[region] = _decide(region, "swiglu", [{"swiglu": s.value} for s in SwiGLURule], outputs,
+                                      cases[region])
+    return {name: regions[name] for name in REGION_ORDER if name in regions}
+
+
+def read_model(battery: dict, outputs: dict, generic: dict[str, Region]) -> dict | None:
+    """The model's line: its constants, the Region per region at its shapes, and the regions whose rules differ
+    from the generic cases' (RoPE compared at the model's head dim, when the generic cases have it)."""
+    if not battery.get("model"):
+        return None
+    regions = read_run(battery, outputs, model=True)
+    differs = []
+    for name, region in regions.items():
+        other = generic.get(name)
+        if name == "rope":
+            other = other.per_head_dim.get(battery["model"]["head_dim"]) if other is not None else None
+        if other is not None and region.rules != other.rules:
+            differs.append(name)
+    return {"constants": battery["model"], "regions": regions, "differs": differs}
 
 
 def _rope_region(per_hd: dict[int, Region]) -> Region:
@@ -303,12 +331,15 @@ def load_results(path) -> dict:
 
 
 def read_results(results: dict) -> list[dict]:
-    """One entry per run: engine, mode, versions, device, and the Region per region."""
+    """One entry per run: engine, mode, versions, device, the Region per region, and ``model``: the model's line
+    (``read_model``), or None for a battery made without ``--model``."""
     check_results(results)
     out = []
+    battery = results["battery"]
     for run in results["runs"]:
         info = run.get("info", {})
+        regions = read_run(battery, run["outputs"])
         out.append({"engine": run["engine"], "mode": run["mode"], "engine_version": info.get("engine_version", "?"),
-                    "device": run.get("device", "?"), "torch": results.get("torch", "?"),
-                    "regions": read_run(results["battery"], run["outputs"])})
+                    "device": run.get("device", "?"), "torch": results.get("torch", "?"), "regions": regions,
+                    "model": read_model(battery, run["outputs"], regions)})
     return out

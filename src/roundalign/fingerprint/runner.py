@@ -6,6 +6,12 @@ and ``battery.pt`` (``roundalign fingerprint make``) to the engine's machine, an
 
     python run_fingerprint.py battery.pt --engine vllm --out results.pt     # or --engine sglang
     python run_fingerprint.py battery.pt --engine vllm --modes eager        # one mode only
+    python run_fingerprint.py battery.pt --engine native --device cpu       # a dry run on any machine (torch only)
+
+``--engine native`` is a dry run of the whole pipeline on any machine, and the reference the tests use: it is
+vLLM's *native* code (``forward_native`` of RMSNorm, SiluAndMul and the NeoX rotary embedding, restated below in
+plain PyTorch), not its CUDA kernels, so its eager mode is not what vLLM ``enforce_eager`` runs. Its compiled mode
+is what vLLM V1 compiles by default (custom ops off, Inductor).
 
 Bring ``results.pt`` back and read it with ``roundalign fingerprint read results.pt``. It holds the battery, every
 case's outputs per mode, and the engine name and version, torch version, device name and mode.
@@ -34,6 +40,10 @@ RMSNorm: ``forward_cuda`` -> ``ops.rms_norm`` / in-place ``ops.fused_add_rms_nor
 the model dtype; ``forward_cuda`` rotates in place); ``fused_moe/activation.py`` @ 13436117c52e
 (``apply_moe_activation``: ``torch.ops._C.silu_and_mul(output, input)``); the ``set_current_vllm_config(cfg)`` +
 ``cfg.kernel_config.ir_op_priority.set_priority()`` pattern of vLLM's forward context and compile tests.
+The native adapter restates ``RMSNorm.forward_native`` (``layernorm.py`` @ 00cba797bda4, with and without
+residual), ``SiluAndMul.forward_native`` (``activation.py`` @ 00db0119c376) and ``RotaryEmbedding``'s cache and
+``forward_native`` (``rotary_embedding/base.py`` @ 04458da08417, ``common.py`` @ 002d181a55a0
+``apply_rotary_emb_torch``), as roundalign's ``engine/native.py`` does.
 SGLang (github.com/sgl-project/sglang, ``python/sglang/srt``): ``layers/layernorm.py`` @ 000fc1a8d6ae (``RMSNorm``:
 ``forward_cuda`` -> ``sgl_kernel.rmsnorm`` / in-place ``fused_add_rmsnorm``, ``forward_native``);
 ``layers/moe/moe_runner/triton_utils/fused_moe.py`` @ 01ab993a6655 (``silu_and_mul(intermediate_cache1, out)`` from
@@ -41,8 +51,8 @@ SGLang (github.com/sgl-project/sglang, ``python/sglang/srt``): ``layers/layernor
 ``layers/rotary_embedding`` ``get_rope`` as summarised in shared/reference/engine-rounding.md s6.
 
 NOT run against a real vLLM or SGLang by roundalign's authors (no GPU, no engine where it was written): only the
-collection code below was tested, with simulated engines plugged in as adapters. If an engine's API moved, the
-adapter fails with the engine's own error and this script says which layer it was building.
+collection code below was tested, with simulated engines and the native adapter plugged in as adapters. If an
+engine's API moved, the adapter fails with the engine's own error and this script says which layer it was building.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ import sys
 
 import torch
 
-BATTERY_FORMAT, BATTERY_VERSION = "roundalign-fingerprint-battery", 1
+BATTERY_FORMAT, BATTERY_VERSIONS = "roundalign-fingerprint-battery", (1, 2)  # 2: cases shaped like a model
 RESULTS_FORMAT, RESULTS_VERSION = "roundalign-fingerprint-results", 1
 DTYPE = torch.bfloat16
 MODES = ("eager", "compiled")
@@ -193,9 +203,10 @@ def collect(battery: dict, adapter: Adapter, log=print) -> dict:
 def check_battery(battery) -> None:
     if not isinstance(battery, dict) or battery.get("format") != BATTERY_FORMAT:
         raise ValueError("not a roundalign fingerprint battery (make one with `roundalign fingerprint make`)")
-    if battery.get("version") != BATTERY_VERSION:
-        raise ValueError(f"battery version {battery.get('version')}; this runner reads version {BATTERY_VERSION}. "
-                         "Copy the runner and the battery from the same roundalign.")
+    if battery.get("version") not in BATTERY_VERSIONS:
+        raise ValueError(f"battery version {battery.get('version')}; this runner reads versions "
+                         f"{', '.join(map(str, BATTERY_VERSIONS))}. Copy the runner and the battery from the same "
+                         "roundalign.")
 
 
 def run_battery(battery: dict, adapters: list[Adapter], log=print) -> dict:
@@ -403,16 +414,108 @@ class SglangAdapter(_ModuleAdapter):
         return {"engine_version": str(getattr(self.sglang, "__version__", "?"))}
 
 
-ADAPTERS = {"vllm": VllmAdapter, "sglang": SglangAdapter}
+# ----------------------------------------------------------------------------------------------------------------
+# --engine native: vLLM's forward_native code, restated in plain PyTorch (sources in the module docstring)
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """vLLM RMSNorm.forward_native: ``out``, or ``(out, residual)`` with the carried residual ``r(S)``."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    if residual is not None:
+        x = x + residual.to(torch.float32)  # S, fp32
+        residual = x.to(orig_dtype)  # r(S), the carried residual
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype)  # eager: rounds before the weight; Inductor (default config): elided inside the kernel
+    x = x * weight
+    return x if residual is None else (x, residual)
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """vLLM SiluAndMul.forward_native on the merged ``[gate, up]`` tensor."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def cos_sin_cache_native(head_dim: int, theta: float, max_position: int) -> torch.Tensor:
+    """vLLM RotaryEmbedding's ``cos_sin_cache``: fp32 inv_freq and angles (an einsum), ``cat(cos, sin)``, then cast
+    to the model dtype, as its ``__init__`` does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    t = torch.arange(max_position, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DTYPE)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_native(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor, head_dim: int):
+    """vLLM RotaryEmbedding.forward_native, NeoX style, on (tokens, heads * head_dim); rotary_dim == head_dim."""
+    positions = positions.flatten()
+    n = positions.shape[0]
+    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+
+    def one(x):
+        x = x.view(n, -1, head_dim)  # the rotated part, then the pass-through part (empty here), as vLLM does
+        rot = _rotate_neox(x[..., :head_dim], cos, sin)
+        return torch.cat((rot, x[..., head_dim:]), dim=-1)
+
+    return one(query).reshape(query.shape), one(key).reshape(key.shape)
+
+
+# vLLM's fused MoE calls its CUDA silu_and_mul in either mode: an opaque op that rounds silu(g) first. Here the same
+# native code, kept out of the compiled graph so that it runs eagerly and rounds after each torch op as that op does.
+expert_silu_and_mul_native = torch.compiler.disable(silu_and_mul_native)
+
+
+class NativeAdapter(Adapter):
+    """``--engine native``: vLLM's forward_native code above; eager runs it as is, compiled under torch.compile
+    (Inductor, default config), as vLLM V1 does with custom ops off. Not vLLM's CUDA kernels."""
+
+    engine = "native"
+
+    def rms_norm(self, weight, eps):
+        return lambda x: rms_norm_native(x, weight, eps)
+
+    def add_rms_norm(self, weight, eps):
+        return lambda x, residual: rms_norm_native(x, weight, eps, residual)
+
+    def silu_and_mul(self):
+        return silu_and_mul_native
+
+    def expert_silu_and_mul(self):
+        return expert_silu_and_mul_native
+
+    def rope(self, head_dim, theta, max_position):
+        with _build_defaults(self.device):  # the cache is built on the device, as the engine builds it
+            cache = cos_sin_cache_native(head_dim, theta, max_position)
+        return lambda positions, q, k: rope_native(positions, q, k, cache, head_dim)
+
+    def info(self) -> dict:
+        return {"engine_version": "forward_native (vLLM's native code, restated; not its CUDA kernels)"}
+
+
+ADAPTERS = {"vllm": VllmAdapter, "sglang": SglangAdapter, "native": NativeAdapter}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the roundalign fingerprint battery through an engine's layers.")
     parser.add_argument("battery", help="battery.pt from `roundalign fingerprint make`")
-    parser.add_argument("--engine", required=True, choices=sorted(ADAPTERS), help="whose layers to run")
+    parser.add_argument("--engine", required=True, choices=sorted(ADAPTERS),
+                        help="whose layers to run (native: vLLM's forward_native code, a dry run on any machine)")
     parser.add_argument("--out", default="results.pt", help="where to write the results (default results.pt)")
     parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both (default eager,compiled)")
-    parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    parser.add_argument("--device", default=default_device(),
+                        help="torch device (default cuda when available, else cpu)")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
