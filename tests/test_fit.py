@@ -45,7 +45,8 @@ def engine_dump(completions, profile, mode="prefill", model=None, backend="kerne
     engine = Engine(model if model is not None else models.path(), profile, backend=backend)
     lps = engine.score([c.prompt_token_ids for c in completions], [c.token_ids for c in completions], mode=mode,
                        temperature=temperature)
-    return [Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist()) for c, lp in zip(completions, lps)]
+    return [Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
+            for c, lp in zip(completions, lps, strict=True)]
 
 
 def assert_determined_regions_true(result, profile):
@@ -220,6 +221,7 @@ def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, c
                  "--screen-tokens", str(SCREEN)]) == 0
     text = capsys.readouterr().out
     assert "fitted rule per region" in text and "sglang, aligned" in text
+    assert "192 candidates (2 x 3 x 4 x 4 x 2 rules" in text and "x 4 sequences (160 tokens) = 768 forwards" in text
 
 
 def test_cli_refuses_a_wrong_checkpoint_with_status_5(shipped, completions, tmp_path, capsys):

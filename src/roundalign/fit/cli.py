@@ -76,6 +76,22 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     return model, [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in records]
 
 
+def plan(model, rollouts, args: argparse.Namespace) -> str:
+    """What the search will cost, before it starts: time is one forward per (candidate, sequence)."""
+    from roundalign.fit.search import screen_prefix
+    from roundalign.fit.space import RULES, Space
+
+    space = Space.of(model)
+    n, tokens = len(rollouts), sum(len(r.token_ids) for r in rollouts)
+    first, count = screen_prefix(rollouts, args.screen_tokens)
+    text = (f"fit: {space.size()} candidates ({' x '.join(str(len(RULES[r])) for r in space.regions)} rules over "
+            f"{', '.join(space.regions)}) x {n} sequences ({tokens} tokens) = {space.size() * n} forwards at most")
+    if args.exhaustive or tokens - count < count:
+        return text + "; every candidate on every sequence"
+    return text + (f"; all candidates on the first {len(first)} sequences ({count} tokens), then only the rules not "
+                   "clearly beaten there")
+
+
 def run(args: argparse.Namespace, console) -> int:
     from rich.progress import (
         BarColumn,
@@ -92,6 +108,8 @@ def run(args: argparse.Namespace, console) -> int:
     _check(args)
     model, rollouts = load(args.model, args.engine_logprobs, args.device)
     out = Path(args.out)
+    if not args.json:
+        console.print(plan(model, rollouts, args), highlight=False)
     with Progress(TextColumn("[bold]fit[/] forwards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console, transient=True, disable=args.json) as progress:
         task = progress.add_task("fit", total=None)

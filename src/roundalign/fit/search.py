@@ -133,7 +133,7 @@ def _excess(entries: list[Scored], best: Scored, idxs: list[int], data: torch.Te
             "tokens": int(ref.numel())}
 
 
-def _screen_prefix(rollouts: list[Rollout], screen_tokens: int) -> tuple[list[int], int]:
+def screen_prefix(rollouts: list[Rollout], screen_tokens: int) -> tuple[list[int], int]:
     """The first whole sequences that hold at least ``screen_tokens`` tokens, and their token count."""
     idxs, count = [], 0
     for i, r in enumerate(rollouts):
@@ -207,7 +207,7 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     scorer = _Scorer(model, space, rollouts, progress)
     t0 = time.perf_counter()
 
-    first, count = _screen_prefix(rollouts, screen_tokens)
+    first, count = screen_prefix(rollouts, screen_tokens)
     screening = not exhaustive and n_tokens - count >= count  # worth it only when the rest is at least as long
     first = first if screening else everything
     if on_total:
