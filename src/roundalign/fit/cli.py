@@ -58,8 +58,7 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     import torch
 
     from roundalign import models
-    from roundalign.probe.jsonl import read_engine_logprobs
-    from roundalign.probe.trainer import Rollout, load_trainer_model
+    from roundalign.probe.trainer import load_trainer_model, read_rollouts
 
     try:
         device = torch.device(device)
@@ -69,11 +68,7 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
         raise ValueError(f"--device {device} asked for a GPU, but torch sees none here; use --device cpu")
     path = Path(model_path) if model_path else models.path()
     model = load_trainer_model(path).to(device)
-    if not Path(dump).is_file():
-        raise FileNotFoundError(f"engine log-prob dump {str(dump)!r} does not exist")
-    config = model.config
-    records = read_engine_logprobs(dump, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings)
-    return model, [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in records]
+    return model, read_rollouts(dump, model.config)
 
 
 def plan(model, rollouts, args: argparse.Namespace) -> str:

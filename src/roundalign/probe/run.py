@@ -30,7 +30,7 @@ import torch
 from roundalign.probe import attribution as attr
 from roundalign.probe.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import build_report
-from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
+from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model, read_rollouts
 from roundalign.profiles import get_profile
 
 BACKENDS = ("kernels", "inductor")
@@ -108,13 +108,8 @@ def _shipped_model() -> Path:
 
 def _import(cfg: ProbeConfig, config, tick, notes):
     """Rollouts and the one reference (``jsonl``) from a real engine's dump."""
-    from roundalign.probe.jsonl import read_engine_logprobs
-
     tick("reading the engine's log-probs")
-    dump = read_engine_logprobs(
-        cfg.engine_logprobs, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings
-    )
-    rollouts = [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in dump]
+    rollouts = read_rollouts(cfg.engine_logprobs, config)
     notes.append("per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
                  "available for imported log-probs")
     return rollouts, {("jsonl", "jsonl"): [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]}

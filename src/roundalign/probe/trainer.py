@@ -64,6 +64,17 @@ def load_trainer_model(path: str | Path):
     return model.eval().requires_grad_(False)
 
 
+def read_rollouts(path: str | Path, config) -> list[Rollout]:
+    """An engine's log-prob dump (``roundalign.probe.jsonl``) as rollouts, checked against the model's vocabulary
+    and context (``config``); a missing file is named as such."""
+    from roundalign.probe.jsonl import read_engine_logprobs
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"engine log-prob dump {str(path)!r} does not exist")
+    dump = read_engine_logprobs(path, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings)
+    return [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in dump]
+
+
 class TrainerSide:
     """Teacher-forced log-probs and hidden states of one bf16 HF model under any trainer profile."""
 
