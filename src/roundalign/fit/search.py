@@ -86,8 +86,11 @@ class FitResult:
 
 
 class _Scorer:
-    def __init__(self, model, space: Space, rollouts: list[Rollout], progress: Callable[[int], None] | None):
-        self.model, self.space, self.rollouts = model, space, rollouts
+    """Scores candidates on sequences not scored yet, counting forwards (the search's unit of time)."""
+
+    def __init__(self, trainer: TrainerSide, space: Space, rollouts: list[Rollout],
+                 progress: Callable[[int], None] | None):
+        self.trainer, self.space, self.rollouts = trainer, space, rollouts
         self.progress = progress or (lambda n: None)
         self.forwards = 0
 
@@ -95,14 +98,11 @@ class _Scorer:
         todo = [i for i in idxs if i not in entry.logprobs]
         if not todo:
             return
-        roundalign.apply(self.model, self.space.profile(entry.candidate))
-        try:
+        with self.trainer.patched(self.space.profile(entry.candidate)) as model:
             for i in todo:
-                entry.logprobs[i] = TrainerSide.token_logprobs(self.model, self.rollouts[i])
+                entry.logprobs[i] = TrainerSide.token_logprobs(model, self.rollouts[i])
                 self.forwards += 1
                 self.progress(1)
-        finally:
-            roundalign.revert(self.model)
 
 
 def _rank_key(rank_by: str, named: set[Candidate]):
@@ -190,21 +190,19 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     ``progress(n)`` is called after every n forwards, ``on_total(total)`` whenever the planned number of forwards
     changes (pruning lowers it). Raises ``DumpNotExplained`` for a dump no rounding rule explains.
     """
-    if roundalign.patched_profile(model) is not None:
-        raise ValueError("fit patches the model itself; pass an unpatched model (roundalign.revert(model))")
     if not rollouts:
         raise ValueError("the dump holds no rollouts; fit needs at least one scored completion")
     for i, r in enumerate(rollouts):
         if r.logprobs is None or len(r.logprobs) != len(r.token_ids):
             raise ValueError(f"rollout {i} needs one engine log-prob per completion token")
-    model.eval().requires_grad_(False)
+    trainer = TrainerSide(model)  # refuses a patched model
     space = Space.of(model)
     data = {i: torch.tensor(r.logprobs, dtype=torch.float32) for i, r in enumerate(rollouts)}
     everything = list(range(len(rollouts)))
     n_tokens = sum(len(r.token_ids) for r in rollouts)
     entries = [Scored(c) for c in space.candidates()]
     named = set(space.named().values())
-    scorer = _Scorer(model, space, rollouts, progress)
+    scorer = _Scorer(trainer, space, rollouts, progress)
     t0 = time.perf_counter()
 
     first, count = screen_prefix(rollouts, screen_tokens)

@@ -80,12 +80,14 @@ class TrainerSide:
 
     def __init__(self, model):
         if roundalign.patched_profile(model) is not None:
-            raise ValueError("the probe patches the trainer model itself; pass an unpatched model (roundalign.revert)")
+            raise ValueError("the trainer model is patched once per profile here; pass an unpatched model "
+                             "(roundalign.revert(model))")
         self.model = model.eval().requires_grad_(False)
         self._fp32 = None
 
     @contextlib.contextmanager
-    def _patched(self, profile: str | Profile):
+    def patched(self, profile: str | Profile):
+        """The model patched with ``profile`` inside the block, stock HF again after it."""
         roundalign.apply(self.model, get_profile(profile))
         try:
             yield self.model
@@ -109,7 +111,7 @@ class TrainerSide:
 
     def logprobs(self, profile: str | Profile, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Each rollout's completion-token log-probs (fp32, 1-D) with the model patched to ``profile``."""
-        with self._patched(profile) as model:
+        with self.patched(profile) as model:
             return [self.token_logprobs(model, r) for r in rollouts]
 
     def fp32_logprobs(self, rollouts: list[Rollout]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -132,7 +134,7 @@ class TrainerSide:
             out = output[0] if isinstance(output, tuple) else output
             seen.append(out[0].detach().clone())
 
-        with self._patched(profile) as model:
+        with self.patched(profile) as model:
             handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
             try:
                 with torch.no_grad():
