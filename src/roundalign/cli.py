@@ -19,7 +19,8 @@ inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
 Each subcommand is a ``Command`` in ``COMMANDS``: a name, a one-line help, a function that adds its arguments
 to an argparse subparser, and a function that runs it and returns the exit status. Adding a subcommand
 (``probe``, ``train``, ``fit``, ``fingerprint``) means writing those two functions and registering them with
-``@command(...)``; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
+``@command(...)``, or, for a module with ``add_arguments(parser)`` and ``run(args, console)``, one ``delegate(...)``
+line; ``main`` needs no change. Exit status: 0 success, 1 a missing optional dependency, 2 a usage
 error (argparse's own errors and unknown profile names alike), 3 a training run that diverged (a non-finite loss
 or gradient; the message names the step, the quantity and the last good checkpoint), 4 a ``compare`` grid in which
 some runs failed (the others still ran, and the summary and plots cover them), 5 a ``fit`` dump that no rounding
@@ -31,6 +32,7 @@ The tables need ``rich`` (the ``[cli]`` extra); ``--json`` works without it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -202,25 +204,27 @@ def _run_with_console(run: Callable, args: argparse.Namespace, diverged: tuple[t
 
 
 # -----------------------------------------------------------------------------
-# roundalign probe [...]: the mismatch audit (roundalign.probe.cli holds its options and the run)
+# Subcommands whose options and run live in their own module: ``add_arguments(parser)`` and ``run(args, console)``,
+# imported when the subcommand is used.
 
 
-def _probe_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.probe.cli import add_arguments
+def delegate(name: str, help: str, module: str) -> None:
+    """Register subcommand ``name`` as ``module``'s ``add_arguments`` and ``run`` (through ``_run_with_console``)."""
 
-    add_arguments(parser)
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        importlib.import_module(module).add_arguments(parser)
 
+    def run(args: argparse.Namespace) -> int:
+        return _run_with_console(importlib.import_module(module).run, args)
 
-@command("probe", "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer by layer",
-         _probe_arguments)
-def _probe(args: argparse.Namespace) -> int:
-    from roundalign.probe.cli import run
-
-    return _run_with_console(run, args)
+    command(name, help, add_arguments)(run)
 
 
-# -----------------------------------------------------------------------------
-# roundalign train [...] / roundalign compare [...]: the GRPO harness (roundalign.rl)
+delegate("probe", "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer by layer",
+         "roundalign.probe.cli")
+
+
+# roundalign train: as above, plus a diverged run's own exit status
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,50 +242,12 @@ def _train(args: argparse.Namespace) -> int:
     return _run_with_console(run, args, diverged=(TrainingDiverged,))
 
 
-def _compare_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.rl.compare import add_arguments
-
-    add_arguments(parser)
-
-
-@command("compare", "run a grid of train runs (e.g. --grid trainer=hf,aligned sync=rne,stochastic seed=0,1) and "
-         "plot them", _compare_arguments)
-def _compare(args: argparse.Namespace) -> int:
-    from roundalign.rl.compare import run
-
-    return _run_with_console(run, args)
-
-
-# -----------------------------------------------------------------------------
-# roundalign fit [...] / roundalign fingerprint make|read|runner: detect an engine's rounding profile
-
-
-def _fit_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.fit.cli import add_arguments
-
-    add_arguments(parser)
-
-
-@command("fit", "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile file)",
-         _fit_arguments)
-def _fit(args: argparse.Namespace) -> int:
-    from roundalign.fit.cli import run
-
-    return _run_with_console(run, args)
-
-
-def _fingerprint_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.fingerprint.cli import add_arguments
-
-    add_arguments(parser)
-
-
-@command("fingerprint", "op-level test battery: make its inputs, run them on the engine's machine, read the rules",
-         _fingerprint_arguments)
-def _fingerprint(args: argparse.Namespace) -> int:
-    from roundalign.fingerprint.cli import run
-
-    return _run_with_console(run, args)
+delegate("compare", "run a grid of train runs (e.g. --grid trainer=hf,aligned sync=rne,stochastic seed=0,1) and "
+         "plot them", "roundalign.rl.compare")
+delegate("fit", "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile file)",
+         "roundalign.fit.cli")
+delegate("fingerprint", "op-level test battery: make its inputs, run them on the engine's machine, read the rules",
+         "roundalign.fingerprint.cli")
 
 
 # -----------------------------------------------------------------------------
