@@ -114,11 +114,14 @@ class Space:
             n *= len(RULES[r])
         return n
 
+    def rule_of(self, profile: Profile, region: str) -> str:
+        """``profile``'s rule for ``region`` on this model (RoPE at its head_dim), as a string."""
+        return str(profile.rope_for(self.head_dim)) if region == "rope" else str(getattr(profile, region))
+
     def key_of(self, profile: str | Profile) -> Candidate:
         """The candidate a (named) profile is on this model: its rules on the searched regions, RoPE at head_dim."""
         p = get_profile(profile)
-        rules = tuple(str(p.rope_for(self.head_dim)) if r == "rope" else str(getattr(p, r)) for r in self.regions)
-        return Candidate(self.regions, rules)
+        return Candidate(self.regions, tuple(self.rule_of(p, r) for r in self.regions))
 
     def named(self) -> dict[str, Candidate]:
         """Each built-in profile's candidate on this model."""
@@ -127,7 +130,7 @@ class Space:
     def profile(self, candidate: Candidate, name: str = "candidate", fill: str | Profile = "hf", **fields) -> Profile:
         """A full Profile: the candidate's rules, and ``fill``'s rules for the regions the model does not exercise."""
         base = get_profile(fill)
-        rules = {r: (str(base.rope_for(self.head_dim)) if r == "rope" else str(getattr(base, r))) for r in REGIONS}
+        rules = {r: self.rule_of(base, r) for r in REGIONS}
         rules.update(candidate.as_dict())
         return Profile(name=name, **rules, **fields)
 
