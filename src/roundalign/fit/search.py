@@ -68,12 +68,10 @@ class FitResult:
     space: Space
     rank_by: str  # "bitwise" or "k3_kl"
     ranking: list[Scored]  # the candidates scored on the whole dump, best first
-    screen: list[Scored]  # every candidate, metrics on the screening prefix (empty when exhaustive)
     equivalents: list[Candidate]  # bitwise-identical to the best on the whole dump (the best included)
     runner_up: Scored | None
     margin: dict
     regions: dict[str, dict]  # searched region -> rule, status (determined / identical / unclear), evidence
-    undetermined: dict[str, str]  # region -> why the data does not decide it (idle regions included)
     named_matches: list[str]  # built-in profiles in the best's equivalence class
     pruned: list[dict]  # one entry per dropped (region, rule), with its evidence
     excess: dict  # the wrong-model check
@@ -83,6 +81,11 @@ class FitResult:
     @property
     def best(self) -> Scored:
         return self.ranking[0]
+
+    @property
+    def undetermined(self) -> dict[str, str]:
+        """Region -> why the data does not decide it: the regions not exercised, and those not ``determined``."""
+        return {**self.space.idle, **{r: d["why"] for r, d in self.regions.items() if d["status"] != "determined"}}
 
 
 class _Scorer:
@@ -220,11 +223,9 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     first_data = torch.cat([data[i] for i in first])
     excess = _model_check(entries, first, first_data, max_excess)
 
-    screen: list[Scored] = []
     pruned: list[dict] = []
     survivors = entries
     if screening:
-        screen = [Scored(e.candidate, metrics=dict(e.metrics)) for e in entries]
         dropped, pruned = _prune(space, entries, entries[0], first, first_data, prune_z)
         survivors = [e for e in entries
                      if not any((r, e.candidate.rule(r)) in dropped for r in space.regions)]
@@ -249,12 +250,10 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     data_all = torch.cat([data[i] for i in everything])
     margin_ = margin(best, runner_up, everything, data_all, decide_z)
     regions = regions_verdict(space, survivors, equivalents, everything, data_all, pruned, decide_z)
-    undetermined = dict(space.idle)
-    undetermined.update({r: d["why"] for r, d in regions.items() if d["status"] != "determined"})
     named_matches = [n for n, c in space.named().items() if c in equivalents]
     stats = {"tokens": n_tokens, "sequences": len(rollouts), "candidates": len(entries),
              "screen_tokens": count if screening else 0, "survivors": len(survivors), "forwards": scorer.forwards,
              "seconds": seconds, "seconds_per_forward": seconds / max(scorer.forwards, 1)}
     profile = fitted_profile(space, best.candidate, named_matches, regions, stats)
-    return FitResult(space, rank_by, survivors, screen, equivalents, runner_up, margin_, regions, undetermined,
-                     named_matches, pruned, excess, profile, stats)
+    return FitResult(space, rank_by, survivors, equivalents, runner_up, margin_, regions, named_matches, pruned,
+                     excess, profile, stats)
