@@ -335,14 +335,3 @@ def describe(battery: dict) -> list[dict]:
         rows.append({"case": case["name"], "region": case["region"], "inputs": shapes, "params": case["params"],
                      "model": bool(case.get("model")), "separates": case["separates"]})
     return rows
-
-
-def ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 values as int32 in the order of the values they encode: neighbours differ by 1 (+0 and -0 both 0)."""
-    bits = t.contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in bf16 ulps between two bf16 tensors (the number of representable values between them)."""
-    return (ordered_bits(a) - ordered_bits(b)).abs()

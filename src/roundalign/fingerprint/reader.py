@@ -42,6 +42,7 @@ import torch
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint import runner as R
 from roundalign.ops import residual_add, rms_norm, rope, swiglu
+from roundalign.probe.metrics import bf16_order_key
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule, SwiGLURule
 
 MATCH_EQUAL, MATCH_ULP, FAR_BELOW = 0.999, 1, 0.99
@@ -117,7 +118,7 @@ def predict(case: dict, **rule) -> list[torch.Tensor]:
 
 
 def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, int, int]:
-    """(equal elements, elements, max ulp) of two output lists given as ``B.ordered_bits``."""
+    """(equal elements, elements, max ulp) of two output lists given as ``bf16_order_key``."""
     equal = total = worst = 0
     for g, w in zip(got, want, strict=True):
         d = (g - w).abs_()
@@ -140,7 +141,7 @@ class _Scored:
 def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases: list[dict]) -> Region:
     """``candidates``: dicts of partial rules; ``part`` is the key whose value is this region's rule."""
     cache: dict = {}
-    got = {c["name"]: [B.ordered_bits(t) for t in outputs[c["name"]]] for c in cases}
+    got = {c["name"]: [bf16_order_key(t) for t in outputs[c["name"]]] for c in cases}
     scored = []
     for cand in candidates:
         equal = total = worst = 0
@@ -149,7 +150,7 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
             keys = _keys_for(case, cand)
             key = (case["name"], keys)
             if key not in cache:
-                cache[key] = [B.ordered_bits(t) for t in predict(case, **dict(keys))]
+                cache[key] = [bf16_order_key(t) for t in predict(case, **dict(keys))]
             preds.append(cache[key])
             e, t, u = _compare(got[case["name"]], cache[key])
             equal, total, worst, worst_case = equal + e, total + t, max(worst, u), min(worst_case, e / t)

@@ -223,7 +223,7 @@ def mismatch_metrics(train: list[Tensor], rollout: list[Tensor], fp32: list[Tens
 # bf16 bit-level agreement of hidden states
 
 
-def _bf16_order_key(x: Tensor) -> Tensor:
+def bf16_order_key(x: Tensor) -> Tensor:
     """Map bf16 bit patterns onto a monotone integer line: adjacent bf16 values differ by 1, +0 and -0 are 0."""
     bits = x.view(torch.int16).to(torch.int32)  # sign-extended: negative patterns are the negative floats
     magnitude = bits & 0x7FFF
@@ -244,7 +244,7 @@ def bf16_ulp_distance(a: Tensor, b: Tensor) -> Tensor:
     for name, x in (("a", a), ("b", b)):
         if torch.isnan(x).any():
             raise ValueError(f"{name} holds NaN, which has no ulp distance; find where the NaN comes from first")
-    return (_bf16_order_key(a) - _bf16_order_key(b)).abs().to(torch.int64)
+    return (bf16_order_key(a) - bf16_order_key(b)).abs().to(torch.int64)
 
 
 def layer_agreement(trainer_hidden: list[Tensor], engine_hidden: list[Tensor]) -> list[dict]:
