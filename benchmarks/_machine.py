@@ -1,7 +1,11 @@
-"""The machine a benchmark ran on, the same way for every script in benchmarks/: CPU model, threads, versions, date.
+"""The machine a benchmark ran on, the same way for every script in benchmarks/: CPU model, ISA, threads, versions.
 
 Imported by the scripts as ``from _machine import machine_info`` (Python puts a script's own folder first on
-``sys.path``); tests that load a script by path put benchmarks/ on ``sys.path`` first.
+``sys.path``); tests that load a script by path put benchmarks/ on ``sys.path`` first. Run as a script, it prints
+the machine in one line (CI's first lines): bf16 GEMMs and some kernels give other bits on an Intel Xeon with
+AMX-BF16 than on an AMD EPYC, so every figure and every CI run names the CPU, the ISA flags that matter, the kernels
+torch dispatches to (``get_cpu_capability``; ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` lower them) and the
+thread count.
 """
 
 from __future__ import annotations
@@ -26,10 +30,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")  # the ones that change bf16 kernels
+
+
+def isa_flags() -> list[str]:
+    """Which of ``ISA_FLAGS`` /proc/cpuinfo lists for the first CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict:
-    """CPU model, logical CPUs, torch threads, torch / transformers / Python versions, today's date."""
+    """CPU model, ISA flags, torch's CPU capability, oneDNN bf16, logical CPUs, torch threads, versions, date."""
     return {
         "cpu": cpu_model(),
+        "isa": isa_flags(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -37,3 +59,13 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+if __name__ == "__main__":
+    info = machine_info()
+    print(f"== machine: {info['cpu']}; ISA {' '.join(info['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; torch CPU "
+          f"capability {info['torch_cpu_capability']}; oneDNN bf16 GEMMs {'yes' if info['onednn_bf16'] else 'no'}; "
+          f"{info['logical_cpus']} CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
+          f"transformers {info['transformers']}, Python {info['python']}"
+          + "".join(f"; {k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+                    if k in os.environ))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from roundalign.engine import Engine, SamplingParams
+from tests.cpu_kernels import gemm_rows_matter
 from tests.helpers import assert_bitwise_equal
 from tests.test_engine_matches_trainer import sequences, trainer_model
 
@@ -54,7 +55,7 @@ def test_ragged_batch_greedy_equals_each_prompt_alone(any_backend):
         (alone,) = any_backend.generate([p], SamplingParams(temperature=0, max_tokens=TOKENS))
         assert out.prompt_token_ids == p
         assert out.token_ids == alone.token_ids
-        assert out.logprobs == alone.logprobs  # bitwise: batch-invariant decode attention, row-wise GEMMs
+        assert out.logprobs == alone.logprobs  # bitwise: a sequence's kernel calls are the ones it gets alone
         assert len(out.token_ids) == len(out.logprobs) == TOKENS and out.finish_reason == "length"
     assert len({tuple(o.token_ids) for o in outs}) == len(outs)  # not one degenerate output for every prompt
 
@@ -65,6 +66,22 @@ def test_ragged_batch_greedy_equals_each_prompt_alone(any_backend):
         diff = (torch.tensor(out.logprobs) - ref).abs().max().item()
         print(f"{any_backend.backend}: max |decode - prefill| = {diff:.4f}")
         assert diff < 0.1
+
+
+def test_batch_invariance_does_not_rest_on_row_invariant_gemms(any_backend):
+    """Under an emulated GEMM whose rows depend on the call's row count (as oneDNN's on an Intel Xeon with AMX, but
+    on any CPU), a ragged batch still gives each prompt exactly what it gets alone: the engine never puts two
+    sequences in one GEMM call. The emulation does change what a shared call would give (the last check)."""
+    with gemm_rows_matter():
+        prompts, outs = _greedy_batch(any_backend)
+        for p, out in zip(prompts, outs, strict=True):
+            (alone,) = any_backend.generate([p], SamplingParams(temperature=0, max_tokens=TOKENS))
+            assert (out.token_ids, out.logprobs) == (alone.token_ids, alone.logprobs)
+        w = any_backend.weights.model.layers[0].mlp.down_proj.weight
+        x = torch.randn(sum(LENGTHS), w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        shared = torch.nn.functional.linear(x, w)
+        own = torch.cat([torch.nn.functional.linear(r, w) for r in x.split(list(LENGTHS))])
+        assert not torch.equal(shared, own)
 
 
 def test_score_decode_replays_generate_bitwise(any_backend):

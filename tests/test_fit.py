@@ -7,6 +7,7 @@ the formula-written forward in ``tests/model_reference.py`` for Llama and Qwen3-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -18,12 +19,14 @@ from roundalign import models
 from roundalign.cli import main
 from roundalign.engine import Engine, SamplingParams
 from roundalign.fit import DumpNotExplained, Space, fit, sign_test
+from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
 from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
 from roundalign.probe.run import default_prompts
 from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
 from roundalign.profiles import PROFILES, Profile, get_profile
 from tests import models as test_models
+from tests.cpu_kernels import gemm_rows_matter
 from tests.model_reference import reference_logits
 
 SCREEN = 40  # tokens: one sequence, so that the screening-and-pruning path runs on these small dumps
@@ -128,21 +131,32 @@ def test_pruning_agrees_with_the_exhaustive_search(shipped, completions):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gemms", ["this cpu", "rows depend on the row count"])
 @pytest.mark.parametrize("profile", ["vllm", "hf", "sglang"])
-def test_decode_dump_never_determines_a_wrong_rule(shipped, completions, profile):
-    """Decode attention rounds apart from prefill, so fewer tokens are exact: regions may stay unclear, never wrong."""
-    result = fit(shipped, engine_dump(completions, profile, "decode"), screen_tokens=SCREEN)
+def test_decode_dump_never_determines_a_wrong_rule(shipped, completions, profile, gemms):
+    """Decode kernels compute apart from prefill, so fewer tokens are exact: regions may stay unclear, never wrong,
+    and the engine's own dump is explained by the model check (no DumpNotExplained), also when the GEMMs' rows
+    depend on the call's row count (Intel AMX; emulated here on any CPU)."""
+    with gemm_rows_matter() if gemms != "this cpu" else contextlib.nullcontext():
+        result = fit(shipped, engine_dump(completions, profile, "decode"), screen_tokens=SCREEN)
     assert result.best.metrics["mismatch/bitwise_equal_frac"] < 1.0
     assert_determined_regions_true(result, profile)
-    assert result.excess["excess"] < 1.0
 
 
 @pytest.mark.slow
-def test_vllm_compiled_native_code_fits_the_vllm_profile(shipped, completions):
-    """vLLM's forward_native code under Inductor (the engine's inductor backend), as a real vLLM dump would be."""
-    result = fit(shipped, engine_dump(completions, "vllm", "decode", backend="inductor"), screen_tokens=SCREEN)
-    assert_determined_regions_true(result, "vllm")
-    assert result.regions["rms_norm"]["status"] == "determined"
+@pytest.mark.parametrize("gemms", ["this cpu", "rows depend on the row count"])
+def test_vllm_compiled_native_code_fits_the_vllm_profile(shipped, completions, gemms):
+    """vLLM's forward_native code under Inductor (the engine's inductor backend), as a real vLLM dump would be: its
+    decode dump is explained, and no region is decided wrong. How many regions 40 decode tokens decide depends on
+    the CPU's kernels (one flipped bit spreads along a sequence), so ``unclear`` is an accepted answer; the
+    prefill dump of the same code, where the kernels are the trainer's, must decide RMSNorm."""
+    with gemm_rows_matter() if gemms != "this cpu" else contextlib.nullcontext():
+        decode = fit(shipped, engine_dump(completions, "vllm", "decode", backend="inductor"), screen_tokens=SCREEN)
+        prefill = fit(shipped, engine_dump(completions, "vllm", "prefill", backend="inductor"), screen_tokens=SCREEN)
+    for result in (decode, prefill):
+        assert_determined_regions_true(result, "vllm")
+        assert {d["status"] for d in result.regions.values()} <= {"determined", "identical", "unclear"}
+    assert prefill.regions["rms_norm"]["status"] == "determined"
 
 
 @pytest.mark.slow
@@ -186,7 +200,8 @@ def test_wrong_checkpoint_or_processed_logprobs_are_not_fitted(shipped, completi
     for name, dump in cases.items():
         with pytest.raises(DumpNotExplained, match="not explained by any rounding profile") as info:
             fit(shipped, dump, screen_tokens=SCREEN)
-        assert info.value.evidence["excess"] > 1.5, name
+        assert info.value.evidence["excess"] > MAX_EXCESS, name
+        assert info.value.evidence["kernel_scale"] is not None, name  # refused only after kernels were measured
     # The same model's dump passes the check, with room to spare.
     assert fit(shipped, engine_dump(completions, "vllm"), screen_tokens=SCREEN).excess["excess"] == 0.0
 

@@ -6,8 +6,15 @@ which positions; the model code never sees padding. Attention then is
 
 - prefill: per sequence, ``F.scaled_dot_product_attention`` called exactly as HF's sdpa path calls it for one
   unpadded sequence (``causal_attention``), so a one-sequence prefill matches the trainer bit for bit;
-- decode: one batched attention over a padded per-slot KV cache, with a mask hiding each slot's unused tail, written
-  so that a sequence's result does not depend on the other sequences of the batch (``_decode_attention``).
+- decode: per sequence, its one query row against its own cached keys (``_decode_attention``).
+
+Nothing here lets two sequences share a kernel call. A kernel's result for one row can depend on the shape of the
+call it sits in (the number of rows or keys sets a GEMM library's blocking, its choice of kernel and its split of a
+reduction over threads), so a sequence computed inside a batch could differ in the last bit from the same sequence
+alone. Here each sequence's attention, and its keys and values in the cache, have exactly the shapes, strides and
+alignment they have when the sequence runs alone, whatever else is in the batch: decode is batch-invariant by
+construction, not because some CPU's kernels happen to be (docs/engine.md, "Batch invariance"). The GEMMs follow the
+same rule (``roundalign.engine.gemm``).
 
 The ``inductor`` backend calls it through ``roundalign::unified_attention``, an opaque ``torch.library`` op that
 stands in for vLLM's ``unified_attention``: the piecewise compiler splits the graph there, and the op reads its
@@ -22,7 +29,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -40,6 +46,12 @@ class AttentionSpec:
         return self.head_dim**-0.5  # HF's self.scaling and vLLM's Attention scale
 
 
+def own_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy when its data does not start on a 64-byte boundary: a kernel may take another path for an
+    unaligned operand, and a sequence's rows sit at an offset in a batch that they do not have alone."""
+    return x if x.data_ptr() % 64 == 0 else x.clone()
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Causal GQA attention of one sequence on ``(tokens, heads * head_dim)`` tensors, as HF's sdpa path does it."""
     n, h, kvh, d = q.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -53,36 +65,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
 
 
 class KVCache:
-    """Per layer and sequence slot, keys and values as ``(kv_heads, capacity, head_dim)``, zero until written.
+    """Keys and values per sequence and layer, each its own ``(kv_heads, capacity, head_dim)`` tensor, zero until
+    written.
 
-    The values are in the model dtype ``dtype`` (RoPE's output, v_proj's output; bf16 or fp16) held in fp32,
-    exactly: the decode attention reads them as fp32 matmul operands in place, with no per-step copy or cast (at twice
-    the 16-bit memory; a CPU reference's caches are small).
+    A sequence's tensors depend on nothing but its own capacity (its prompt + token budget), so its attention reads
+    operands of the same shape, strides and alignment in any batch as alone. The values are in the model dtype
+    ``dtype`` (RoPE's output, v_proj's output; bf16 or fp16) held in fp32, exactly: the decode attention reads them
+    as fp32 matmul operands in place, with no per-step cast (at twice the 16-bit memory; a CPU reference's caches
+    are small).
     """
 
-    def __init__(self, num_layers: int, num_slots: int, capacity: int, spec: AttentionSpec,
+    def __init__(self, num_layers: int, capacities: list[int], spec: AttentionSpec,
                  dtype: torch.dtype = torch.bfloat16):
-        shape = (num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
+        kvh, d = spec.num_kv_heads, spec.head_dim
+        self.k = [[torch.zeros(kvh, cap, d) for _ in range(num_layers)] for cap in capacities]
+        self.v = [[torch.zeros(kvh, cap, d) for _ in range(num_layers)] for cap in capacities]
         self.dtype = dtype
 
     def write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's keys and values (``(rows, kv_heads * head_dim)``) at their sequences' positions."""
-        kvh = self.k.shape[2]
-        if step.is_prefill:
-            for seq, start, offset, n in step.groups():
-                self.k[layer, seq, :, offset : offset + n] = k[start : start + n].view(n, kvh, -1).transpose(0, 1)
-                self.v[layer, seq, :, offset : offset + n] = v[start : start + n].view(n, kvh, -1).transpose(0, 1)
-        else:
-            b = len(step.seqs)
-            self.k[layer, step._slots, :, step._positions] = k[:b].view(b, kvh, -1).float()
-            self.v[layer, step._slots, :, step._positions] = v[:b].view(b, kvh, -1).float()
+        for seq, start, offset, n in step.groups():
+            for cache, x in ((self.k[seq][layer], k), (self.v[seq][layer], v)):
+                cache[:, offset : offset + n] = x[start : start + n].view(n, cache.shape[0], -1).transpose(0, 1)
 
     def rows(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``length`` positions of a slot in the model dtype, ``(length, kv_heads * head_dim)`` (exact)."""
-        k, v = self.k[layer, seq, :, :length], self.v[layer, seq, :, :length]
-        return tuple(t.transpose(0, 1).reshape(length, -1).to(self.dtype) for t in (k, v))
+        """The first ``length`` positions of a sequence in the model dtype, ``(length, kv_heads * head_dim)``
+        (exact)."""
+        return tuple(c[seq][layer][:, :length].transpose(0, 1).reshape(length, -1).to(self.dtype)
+                     for c in (self.k, self.v))
 
 
 class PrefillShapes:
@@ -154,49 +164,23 @@ class Step:
         """``groups`` for a tensor holding only each sequence's last row (the rows the lm_head reads)."""
         return [(seq, j, o + n - 1, 1) for j, (seq, _, o, n) in enumerate(self.groups())]
 
-    # decode metadata, built once per step and shared by every layer
-    @cached_property
-    def _slots(self) -> torch.Tensor:
-        return torch.tensor(self.seqs)
-
-    @cached_property
-    def _positions(self) -> torch.Tensor:
-        return torch.tensor(self.offsets)
-
-    @cached_property
-    def _contiguous(self) -> bool:
-        return self.seqs == list(range(len(self.seqs)))  # a view of the cache, no gather
-
-    @cached_property
-    def _mask(self) -> torch.Tensor:
-        """(B, 1, 1, L): 0 where a key is valid, -inf where it is padding (added to the attention scores)."""
-        lengths = self._positions + 1
-        valid = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-        return torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[:, None, None]
-
-    @cached_property
-    def _ones(self) -> torch.Tensor:
-        return torch.ones(self._mask.shape[-1], 1)
+    def gemm_rows(self, rows: int) -> list[tuple[int, int]]:
+        """(first row, rows) of each GEMM call over a ``rows``-row tensor of this step: one per sequence, and one
+        per padding row past ``num_rows`` (added by a compiled backend), so no call holds two sequences' rows."""
+        return [*zip(self.starts, self.counts, strict=True), *((r, 1) for r in range(self.num_rows, rows))]
 
 
-def _decode_attention(layer: int, q: torch.Tensor, step: Step) -> torch.Tensor:
-    """One query row per sequence against its cached keys, batched over sequences and written so that a sequence's
-    result does not depend on the batch: a cache slot is padded to the longest sequence of the step, and every
-    reduction over keys is a matmul, which adds the padded keys' exact zeros after the real terms (a row reduction
-    such as ``sum`` or SDPA's fused softmax regroups its terms with the padded length; measured on this CPU). fp32
-    throughout, rounded once to the model dtype (``q``'s: bf16 or fp16) at the output."""
-    spec, cache, mask = step.spec, step.cache, step._mask
-    b, length, d, kvh = len(step.seqs), mask.shape[-1], spec.head_dim, spec.num_kv_heads
-    if step._contiguous:
-        k32, v32 = cache.k[layer, :b, :, :length], cache.v[layer, :b, :, :length]  # (B, kv_heads, L, D) views
-    else:
-        k32, v32 = cache.k[layer][step._slots, :, :length], cache.v[layer][step._slots, :, :length]
+def _decode_attention(q: torch.Tensor, k32: torch.Tensor, v32: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """One query row ``(1, heads * head_dim)`` against a sequence's cached keys and values (``(kv_heads, length,
+    head_dim)``, fp32 holding 16-bit values). fp32 throughout, rounded once to the model dtype (``q``'s: bf16 or
+    fp16) at the output; both sums over keys are matmuls (``softmax(scores) @ v`` as ``(e @ v) / (e @ 1)``)."""
+    kvh, d = spec.num_kv_heads, spec.head_dim
     # GQA: query heads j * group ... (j + 1) * group - 1 read kv head j, as HF's repeat_kv pairs them.
-    q32 = q[:b].view(b, kvh, spec.num_heads // kvh, d).float()  # (B, kv_heads, group, D)
-    scores = q32 @ k32.transpose(-1, -2) * spec.scale + mask  # (B, kv_heads, group, L)
-    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # exactly 0 at masked keys
-    out = (e @ v32) / (e @ step._ones)  # softmax(scores) @ v, both sums as matmuls
-    return out.reshape(b, spec.num_heads * d).to(q.dtype)
+    q32 = q.view(kvh, spec.num_heads // kvh, d).float()  # (kv_heads, group, D)
+    scores = q32 @ k32.transpose(-1, -2) * spec.scale  # (kv_heads, group, length)
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    out = (e @ v32) / (e @ e.new_ones(e.shape[-1], 1))
+    return out.reshape(1, spec.num_heads * d).to(q.dtype)
 
 
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
@@ -215,9 +199,12 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
     elif step.is_prefill:
         for _, start, _, n in step.groups():
             rows = slice(start, start + n)
-            out[rows] = causal_attention(q[rows], k[rows], v[rows], step.spec)
+            out[rows] = causal_attention(*(own_rows(t[rows]) for t in (q, k, v)), step.spec)
     else:
-        out[: len(step.seqs)] = _decode_attention(layer, q, step)
+        cache = step.cache
+        for seq, row, offset, _ in step.groups():  # one query row per sequence, at position ``offset``
+            k32, v32 = cache.k[seq][layer][:, : offset + 1], cache.v[seq][layer][:, : offset + 1]
+            out[row : row + 1] = _decode_attention(q[row : row + 1], k32, v32, step.spec)  # .float() copies q
     return out
 
 
@@ -229,7 +216,8 @@ _CONTEXT: list[Step] = []
 
 @contextmanager
 def forward_context(step: Step):
-    """Make ``step`` what ``roundalign::unified_attention`` reads during one forward."""
+    """Make ``step`` what the engine's opaque ops (``roundalign::unified_attention``, ``roundalign::linear``) read
+    during one forward."""
     _CONTEXT.append(step)
     try:
         yield
@@ -237,12 +225,16 @@ def forward_context(step: Step):
         _CONTEXT.pop()
 
 
+def current_step() -> Step:
+    if not _CONTEXT:
+        raise RuntimeError("the engine's opaque ops run inside an engine forward only (no forward context)")
+    return _CONTEXT[-1]
+
+
 @torch.library.custom_op("roundalign::unified_attention", mutates_args=())
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """``attention`` for the current forward context; opaque to the compiler, like vLLM's ``unified_attention``."""
-    if not _CONTEXT:
-        raise RuntimeError("roundalign::unified_attention runs inside an engine forward only (no forward context)")
-    return attention(layer, q, k, v, _CONTEXT[-1])
+    return attention(layer, q, k, v, current_step())
 
 
 @unified_attention.register_fake

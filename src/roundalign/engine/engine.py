@@ -22,6 +22,7 @@ import torch
 
 from roundalign.engine import compile as _compile
 from roundalign.engine.attention import AttentionSpec, KVCache, PrefillShapes, Step, forward_context
+from roundalign.engine.gemm import linear
 from roundalign.engine.loader import check_dtype, head_dim, load
 from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
@@ -36,6 +37,16 @@ def _piecewise():
     if not _PIECEWISE:
         _PIECEWISE.append(_compile.piecewise_backend([torch.ops.roundalign.unified_attention]))
     return _PIECEWISE[0]
+
+
+class _PerSequenceNativeModel(NativeModel):
+    """vLLM's model code with every projection as ``roundalign::linear``: one GEMM call per sequence, opaque to the
+    compiler like the extern GEMM it replaces (roundalign.engine.gemm)."""
+
+    def linear(self, h: torch.Tensor, lin) -> torch.Tensor:
+        return torch.ops.roundalign.linear(h, lin.weight, lin.bias)
+
+
 SCORE_MODES = ("prefill", "decode")
 
 
@@ -79,7 +90,7 @@ class Engine:
         if backend == "kernels":
             self._model = KernelsModel(self.weights, self.config, self.profile, dtype)
         else:
-            self._model = NativeModel(self.weights, self.config, dtype)
+            self._model = _PerSequenceNativeModel(self.weights, self.config, dtype)
             # One backend object for every engine: dynamo guards on the backend, so engines of one model shape
             # share the compiled graph instead of compiling their own.
             self._compiled = torch.compile(self._model, backend=_piecewise(), fullgraph=True, dynamic=None)
@@ -117,13 +128,14 @@ class Engine:
     def _logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:
         if self.backend == "kernels":
             return self._model.logits(hidden, step, groups)
-        return self._model.logits(hidden)  # outside the compiled region, as vLLM's LogitsProcessor
+        # Outside the compiled region, as vLLM's LogitsProcessor; one call per sequence, as every GEMM here.
+        return linear(hidden, self.weights.lm_head.weight, None, [(start, n) for _, start, _, n in groups])
 
     def _rollout(self, prompts: list[list[int]], budgets: list[int], choose: Callable, shapes=None) -> None:
         """One batched prefill, then decode steps. ``choose(active, logits)`` gets the fp32 logits of the active
         sequences' next tokens and returns (next token, finished) per active sequence."""
-        cache = KVCache(self.config.num_hidden_layers, len(prompts),
-                        max(len(p) + b for p, b in zip(prompts, budgets, strict=True)), self._spec, self.dtype)
+        cache = KVCache(self.config.num_hidden_layers, [len(p) + b for p, b in zip(prompts, budgets, strict=True)],
+                        self._spec, self.dtype)
         lengths = [len(p) for p in prompts]
         step = Step.prefill(lengths, cache, self._spec, shapes)
         with torch.no_grad():
@@ -222,7 +234,7 @@ class Engine:
         return [torch.tensor(lps, dtype=torch.float32) for lps in out]  # fp32 -> float -> fp32 is exact
 
     def _prefill_logprobs(self, ids: list[int], capture: bool = False, temperature: float = 1.0):
-        cache = KVCache(self.config.num_hidden_layers, 1, len(ids), self._spec, self.dtype)
+        cache = KVCache(self.config.num_hidden_layers, [len(ids)], self._spec, self.dtype)
         step = Step.prefill([len(ids)], cache, self._spec)
         with torch.no_grad():
             hidden, captured = self._forward(torch.tensor(ids), step, capture)

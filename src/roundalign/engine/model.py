@@ -15,8 +15,8 @@ Residual carrying, per rule (``S`` = the fp32 sum of an add, ``R = r(S)``; docs/
 | round_at_attention      | S              | S                                         | R                            |
 | never_round             | S              | S                                         | S                            |
 
-Matmuls are plain ``F.linear`` on 2-D ``(tokens, features)`` inputs, as vLLM flattens tokens; logits are the 16-bit
-lm_head matmul. RoPE reads a cos/sin cache in the profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as
+Matmuls are ``F.linear`` on 2-D ``(tokens, features)`` inputs, one call per sequence (``roundalign.engine.gemm``:
+a batch never changes a sequence's GEMMs); logits are the 16-bit lm_head matmul. RoPE reads a cos/sin cache in the profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as
 SGLang/FlashInfer keep it); under ``qk_norm=fused_into_rope`` the q/k norm returns fp32 and RoPE rounds once.
 
 Every rounding point rounds to the engine's dtype, ``self.dtype``: bf16, or fp16 for an fp16 engine, the same
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundalign.engine.attention import Step, attention
+from roundalign.engine.gemm import linear
 from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.ops.rms_norm import _add_fp32_sum, _add_rounded, _rms_norm
@@ -93,7 +94,7 @@ class KernelsModel:
     def _linear(self, x: torch.Tensor, lin, key, step: Step) -> torch.Tensor:
         if step.shapes is not None and "matmul" in step.shapes.parts:
             return step.shapes.linear(key, x, lin.weight, lin.bias, list(step.groups()))
-        return F.linear(x, lin.weight, lin.bias)
+        return linear(x, lin.weight, lin.bias, step.gemm_rows(x.shape[0]))
 
     def _attention(self, i: int, a, h: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
@@ -142,4 +143,4 @@ class KernelsModel:
     def logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:
         if step.shapes is not None and "matmul" in step.shapes.parts:
             return step.shapes.linear(("lm_head",), hidden, self.weights.lm_head.weight, None, groups)
-        return F.linear(hidden, self.weights.lm_head.weight)
+        return linear(hidden, self.weights.lm_head.weight, None, [(start, n) for _, start, _, n in groups])

@@ -126,14 +126,16 @@ class NativeModel(nn.Module):
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.roundalign.unified_attention(q, k, v, layer)
 
+    def linear(self, h: torch.Tensor, lin) -> torch.Tensor:
+        """Every projection's GEMM (the engine's subclass computes it per sequence: roundalign.engine.gemm)."""
+        return F.linear(h, lin.weight, lin.bias)
+
     def qkv(self, attn, h: torch.Tensor):
-        return (F.linear(h, attn.q_proj.weight, attn.q_proj.bias), F.linear(h, attn.k_proj.weight, attn.k_proj.bias),
-                F.linear(h, attn.v_proj.weight, attn.v_proj.bias))
+        return self.linear(h, attn.q_proj), self.linear(h, attn.k_proj), self.linear(h, attn.v_proj)
 
     def gate_up(self, mlp, h: torch.Tensor) -> torch.Tensor:
         # vLLM merges gate and up into one GEMM; two linears keep HF's matmuls. SiluAndMul reads [gate, up].
-        return torch.cat((F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias),
-                          F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)), dim=-1)
+        return torch.cat((self.linear(h, mlp.gate_proj), self.linear(h, mlp.up_proj)), dim=-1)
 
     def _attention_block(self, i: int, a, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(a, h)
@@ -142,7 +144,7 @@ class NativeModel(nn.Module):
             k = rms_norm_native(k.view(*k.shape[:-1], -1, self.head_dim), a.k_norm.weight, self.eps).view(k.shape)
         q, k = rope_native(positions, q, k, self.cos_sin_cache, self.head_dim)
         o = self.attention(i, q, k, v)
-        return F.linear(o, a.o_proj.weight, a.o_proj.bias)
+        return self.linear(o, a.o_proj)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, capture: bool = False):
         w = self.weights.model
@@ -159,7 +161,7 @@ class NativeModel(nn.Module):
             h = self._attention_block(i, layer.self_attn, positions, h)
             h, residual = rms_norm_native(h, layer.post_attention_layernorm.weight, self.eps, residual)
             mlp = layer.mlp
-            h = F.linear(silu_and_mul_native(self.gate_up(mlp, h)), mlp.down_proj.weight, mlp.down_proj.bias)
+            h = self.linear(silu_and_mul_native(self.gate_up(mlp, h)), mlp.down_proj)
         h, residual = rms_norm_native(h, w.norm.weight, self.eps, residual)
         if capture:  # the last layer's R is an extra graph output that vLLM's graph does not have
             return h, (*captured, residual)

@@ -20,6 +20,8 @@ NOT_FITTED = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.fit.search import MAX_EXCESS
+
     a = parser.add_argument
     a("--engine-logprobs", metavar="FILE", required=True,
       help="JSONL dumped by the engine: one {prompt_token_ids, token_ids, logprobs} object per line "
@@ -36,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)")
     a("--decide-z", type=float, default=3.0, metavar="Z",
       help="call a region determined when the best beats its other rules with z >= Z (default 3)")
-    a("--max-excess", type=float, default=1.5, metavar="X",
-      help="refuse a dump farther from the best candidate than X times the rounding rules' typical distance "
-      "(default 1.5; docs/fit.md)")
+    a("--max-excess", type=float, default=MAX_EXCESS, metavar="X",
+      help="refuse a dump farther from the best candidate than X times what rounding rules and kernels do to the "
+      f"same tokens (default {MAX_EXCESS:g}; docs/fit.md)")
     a("--top", type=int, default=10, metavar="N", help="candidates to list (default 10)")
     a("--json", action="store_true", help="print report.json instead of the tables")
 

@@ -113,8 +113,11 @@ def render(result: FitResult, top: int = 10) -> list:
     lines.append(f"searched {st['candidates']} candidates, {st['forwards']} forwards in {st['seconds']:.1f} s "
                  f"({st['seconds_per_forward'] * 1e3:.1f} ms each){pruning}")
     e = result.excess
-    lines.append(f"model check: dump {e['distance_rms']:.3g} from the best (RMS log-ratio), {e['excess']:.2g}x the "
-                 f"rounding scale {e['rounding_scale_rms']:.3g} (limit {e['max_excess']:g}x)")
+    kernels = ("" if e["kernel_scale"] is None else
+               f" and the kernel scale {e['kernel_scale']:.3g} ({st['model_check_decode_forwards']} decode forwards)")
+    lines.append(f"model check: dump {e['distance']:.3g} from the best ({e['statistic']} over {e['tokens']} tokens), "
+                 f"{e['excess']:.2g}x the larger of the rounding scale {e['rounding_scale']:.3g}{kernels} "
+                 f"(limit {e['max_excess']:g}x)")
     out.append("\n".join(lines))
     return out
 

@@ -109,6 +109,25 @@ class TrainerSide:
             return picked.cpu()
         return picked.cpu(), -(logp.exp() * logp).sum(-1).cpu()
 
+    @staticmethod
+    def decode_logprobs(model, rollout: Rollout) -> torch.Tensor:
+        """The completion tokens' fp32 log-probs computed as a sampler computes them: the prompt in one forward
+        (logits of its last row only), then one token per forward over HF's KV cache.
+
+        Same model, same rounding points as ``token_logprobs``, other kernel shapes: every GEMM has one row and
+        attention one query. What this changes on a given CPU or GPU is what kernels alone do to the log-probs
+        there (``roundalign fit``'s model check uses it as the reference for decode dumps)."""
+        ids = rollout.ids.to(next(model.parameters()).device)
+        n = len(rollout.prompt_token_ids)
+        with torch.no_grad():
+            out = model(input_ids=ids[None, :n], use_cache=True, logits_to_keep=1)
+            rows = [out.logits[0, -1]]
+            for t in range(n, len(ids) - 1):
+                out = model(input_ids=ids[None, t : t + 1], cache=out.past_key_values, use_cache=True)
+                rows.append(out.logits[0, -1])
+        logp = torch.stack(rows).float().log_softmax(-1)
+        return logp.gather(-1, ids[n:, None])[:, 0].cpu()
+
     def logprobs(self, profile: str | Profile, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Each rollout's completion-token log-probs (fp32, 1-D) with the model patched to ``profile``."""
         with self.patched(profile) as model:
