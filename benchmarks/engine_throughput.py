@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import torch
 import transformers
+from _machine import cpu_model, isa_flags
 
 from roundalign.engine import Engine, SamplingParams
 
@@ -118,7 +118,7 @@ def main() -> None:
             tokens[name] = run()
             seconds[name].append(time.perf_counter() - t0)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    print(f"machine: {cpu_model()} ({' '.join(isa_flags())}), {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f} at the end; "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"model: {desc}; batch {args.batch}, prompts {min(lengths)}-{max(lengths)} tokens, "

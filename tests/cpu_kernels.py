@@ -6,9 +6,10 @@ torch's own kernel computes every row alike. A test that holds only on one of th
 
 - ``gemm_rows_matter()`` makes every 16-bit ``F.linear`` in the process depend on its row count, more than any real
   library does: one row is torch's own kernel, 2 to 15 rows an fp32 GEMM of the exact products rounded once, 16 rows
-  and more the same with the reduction split in two halves. Three reduction orders, so a row's last bit moves with
-  the call's shape. A guarantee that holds by construction (the same calls for the same sequence) survives it; one
-  that leaned on row-invariant GEMMs fails under it on any machine. It reaches HF's ``nn.Linear`` and the engine's
+  and more the reduction split in two halves, each rounded to the 16-bit dtype before they are added. Three
+  results by row count, the last one ulp apart from the others on a good share of outputs. A guarantee that holds
+  by construction (the same calls for the same sequence) survives it; one that leaned on row-invariant GEMMs fails
+  under it on any machine. It reaches HF's ``nn.Linear`` and the engine's
   GEMMs alike, eager or inside a compiled graph's opaque op, because both look ``F.linear`` up at call time.
 - ``gemm_rows_depend_on_count(weight)`` says whether this machine's real kernel gives a row other bits at other row
   counts, for the few tests whose expectation is a measured property of the CPU.
@@ -33,7 +34,8 @@ def _row_count_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out = _LINEAR(x.float(), w)
     else:
         k = x.shape[-1] // 2
-        out = _LINEAR(x[..., :k].float(), w[:, :k]) + _LINEAR(x[..., k:].float(), w[:, k:])
+        halves = (_LINEAR(x[..., :k].float(), w[:, :k]), _LINEAR(x[..., k:].float(), w[:, k:]))
+        out = sum(h.to(x.dtype).float() for h in halves)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

@@ -16,8 +16,9 @@ Residual carrying, per rule (``S`` = the fp32 sum of an add, ``R = r(S)``; docs/
 | never_round             | S              | S                                         | S                            |
 
 Matmuls are ``F.linear`` on 2-D ``(tokens, features)`` inputs, one call per sequence (``roundalign.engine.gemm``:
-a batch never changes a sequence's GEMMs); logits are the 16-bit lm_head matmul. RoPE reads a cos/sin cache in the profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as
-SGLang/FlashInfer keep it); under ``qk_norm=fused_into_rope`` the q/k norm returns fp32 and RoPE rounds once.
+a batch never changes a sequence's GEMMs); logits are the 16-bit lm_head matmul. RoPE reads a cos/sin cache in the
+profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as SGLang/FlashInfer keep it); under
+``qk_norm=fused_into_rope`` the q/k norm returns fp32 and RoPE rounds once.
 
 Every rounding point rounds to the engine's dtype, ``self.dtype``: bf16, or fp16 for an fp16 engine, the same
 formulas with ``r(.) = .to(float16)``.
