@@ -45,6 +45,17 @@ def isa_flags() -> list[str]:
     return []
 
 
+def gemm_rows_depend_on_row_count(hidden: int = 1024, counts=(1, 2, 3, 5, 8, 16, 17, 64, 100)) -> bool:
+    """Whether this CPU's bf16 ``F.linear`` gives a row other bits inside calls of other row counts (random unit-scale
+    rows and weights, reduction length ``hidden``): yes on an Intel Xeon with AMX-BF16, no on an AMD EPYC here."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(counts), hidden, generator=g).bfloat16()
+    w = (torch.randn(hidden, hidden, generator=g) / hidden**0.5).bfloat16()
+    with torch.no_grad():
+        first = [torch.nn.functional.linear(x[:n], w)[0] for n in counts]
+    return not all(torch.equal(first[0], row) for row in first[1:])
+
+
 def machine_info() -> dict:
     """CPU model, ISA flags, torch's CPU capability, oneDNN bf16, logical CPUs, torch threads, versions, date."""
     return {
@@ -52,6 +63,7 @@ def machine_info() -> dict:
         "isa": isa_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "gemm_rows_depend_on_row_count": gemm_rows_depend_on_row_count(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -65,6 +77,7 @@ if __name__ == "__main__":
     info = machine_info()
     print(f"== machine: {info['cpu']}; ISA {' '.join(info['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; torch CPU "
           f"capability {info['torch_cpu_capability']}; oneDNN bf16 GEMMs {'yes' if info['onednn_bf16'] else 'no'}; "
+          f"bf16 GEMM rows depend on the row count: {'yes' if info['gemm_rows_depend_on_row_count'] else 'no'}; "
           f"{info['logical_cpus']} CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
           f"transformers {info['transformers']}, Python {info['python']}"
           + "".join(f"; {k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")

@@ -11,8 +11,9 @@ torch's own kernel computes every row alike. A test that holds only on one of th
   by construction (the same calls for the same sequence) survives it; one that leaned on row-invariant GEMMs fails
   under it on any machine. It reaches HF's ``nn.Linear`` and the engine's
   GEMMs alike, eager or inside a compiled graph's opaque op, because both look ``F.linear`` up at call time.
-- ``gemm_rows_depend_on_count(weight)`` says whether this machine's real kernel gives a row other bits at other row
-  counts, for the few tests whose expectation is a measured property of the CPU.
+
+Whether this machine's own bf16 GEMM rows depend on the row count, ``python benchmarks/_machine.py`` says (CI prints
+it first).
 """
 
 from __future__ import annotations
@@ -49,13 +50,3 @@ def gemm_rows_matter():
         yield
     finally:
         F.linear = _LINEAR
-
-
-def gemm_rows_depend_on_count(weight: torch.Tensor, counts=(1, 2, 3, 5, 8, 16, 17, 64, 100), seed: int = 0) -> bool:
-    """Whether this CPU's ``F.linear`` with ``weight`` gives the same row other bits inside calls of other row
-    counts (random bf16 rows at unit scale)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(counts), weight.shape[1], generator=g).to(weight.dtype)
-    with torch.no_grad():
-        first = [_LINEAR(x[:n], weight)[0] for n in counts]
-    return not all(torch.equal(first[0], row) for row in first[1:])

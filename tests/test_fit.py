@@ -152,11 +152,12 @@ def test_vllm_compiled_native_code_fits_the_vllm_profile(shipped, completions, g
     prefill dump of the same code, where the kernels are the trainer's, must decide RMSNorm."""
     with gemm_rows_matter() if gemms != "this cpu" else contextlib.nullcontext():
         decode = fit(shipped, engine_dump(completions, "vllm", "decode", backend="inductor"), screen_tokens=SCREEN)
+    assert_determined_regions_true(decode, "vllm")
+    assert {d["status"] for d in decode.regions.values()} <= {"determined", "identical", "unclear"}
+    if gemms == "this cpu":  # a prefill's GEMM calls are the trainer's under either kind: one fit says it
         prefill = fit(shipped, engine_dump(completions, "vllm", "prefill", backend="inductor"), screen_tokens=SCREEN)
-    for result in (decode, prefill):
-        assert_determined_regions_true(result, "vllm")
-        assert {d["status"] for d in result.regions.values()} <= {"determined", "identical", "unclear"}
-    assert prefill.regions["rms_norm"]["status"] == "determined"
+        assert_determined_regions_true(prefill, "vllm")
+        assert prefill.regions["rms_norm"]["status"] == "determined"
 
 
 @pytest.mark.slow
