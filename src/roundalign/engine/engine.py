@@ -22,7 +22,7 @@ import torch
 
 from roundalign.engine import compile as _compile
 from roundalign.engine.attention import AttentionSpec, KVCache, PrefillShapes, Step, forward_context
-from roundalign.engine.gemm import linear
+from roundalign.engine.gemm import logits
 from roundalign.engine.loader import check_dtype, head_dim, load
 from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
@@ -129,7 +129,7 @@ class Engine:
         if self.backend == "kernels":
             return self._model.logits(hidden, step, groups)
         # Outside the compiled region, as vLLM's LogitsProcessor; one call per sequence, as every GEMM here.
-        return linear(hidden, self.weights.lm_head.weight, None, [(start, n) for _, start, _, n in groups])
+        return logits(hidden, self.weights.lm_head.weight, groups)
 
     def _rollout(self, prompts: list[list[int]], budgets: list[int], choose: Callable, shapes=None) -> None:
         """One batched prefill, then decode steps. ``choose(active, logits)`` gets the fp32 logits of the active

@@ -32,6 +32,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
     return torch.cat([F.linear(own_rows(x[start : start + n]), weight, bias) for start, n in rows])
 
 
+def logits(hidden: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
+    """The lm_head over ``hidden``, one call per ``(seq, first row, first position, rows)`` in ``groups``."""
+    return linear(hidden, weight, None, [(start, n) for _, start, _, n in groups])
+
+
 @torch.library.custom_op("roundalign::linear", mutates_args=())
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``linear`` over the current step's sequences; opaque to the compiler, like a GEMM's extern kernel call."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundalign.engine.attention import Step, attention
-from roundalign.engine.gemm import linear
+from roundalign.engine.gemm import linear, logits
 from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.ops.rms_norm import _add_fp32_sum, _add_rounded, _rms_norm
@@ -144,4 +144,4 @@ class KernelsModel:
     def logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:
         if step.shapes is not None and "matmul" in step.shapes.parts:
             return step.shapes.linear(("lm_head",), hidden, self.weights.lm_head.weight, None, groups)
-        return linear(hidden, self.weights.lm_head.weight, None, [(start, n) for _, start, _, n in groups])
+        return logits(hidden, self.weights.lm_head.weight, groups)
