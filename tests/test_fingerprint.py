@@ -36,7 +36,7 @@ from roundalign.engine import native as engine_native
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint import reader, runner
 from roundalign.fingerprint.cli import runner_source
-from roundalign.probe import bf16_ulp_distance
+from roundalign.numerics import bf16_ulp_distance
 from roundalign.profiles import PROFILES, REGIONS, Profile, RopeRule, get_profile
 from tests.fingerprint_sim import ProfileAdapter, ShapeDependentAdapter, WrongAdapter
 

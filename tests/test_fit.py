@@ -21,10 +21,10 @@ from roundalign.engine import Engine, SamplingParams
 from roundalign.fit import DumpNotExplained, Space, fit, sign_test
 from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
-from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
 from roundalign.probe.run import default_prompts
-from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
 from roundalign.profiles import PROFILES, Profile, get_profile
+from roundalign.rollouts import Rollout, write_engine_logprobs
+from roundalign.trainer import TrainerSide, load_trainer_model
 from tests import models as test_models
 from tests.cpu_kernels import gemm_rows_matter
 from tests.model_reference import reference_logits
@@ -212,7 +212,7 @@ def test_wrong_checkpoint_or_processed_logprobs_are_not_fitted(shipped, completi
 
 
 def _write(path, dump):
-    write_engine_logprobs(path, [EngineRollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in dump])
+    write_engine_logprobs(path, [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in dump])
 
 
 @pytest.mark.slow

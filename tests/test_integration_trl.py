@@ -3,7 +3,7 @@
 What is proved here, each against a reference the test computes itself:
 
 - TRL 1.16 applies no IS correction and logs no ``sampling/*`` for a plain ``rollout_func`` with ``use_vllm=False``;
-- with ``EngineRollout.attach`` it does, from the engine's log-probs: TRL's ``sampling_per_token_logps`` are the
+- with ``EngineRolloutFunc.attach`` it does, from the engine's log-probs: TRL's ``sampling_per_token_logps`` are the
   engine's own decode log-probs (re-scored independently), and its IS ratio and ``sampling/*`` values follow
   from those and TRL's recompute by TRL's formulas;
 - the engine's served weights are the RNE / stochastic / error-feedback export of the policy's fp32 master after
@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 import roundalign
 import trl_setup
 from roundalign.engine import Engine, SamplingParams
-from roundalign.integrations.trl import EngineRollout, log_mismatch, patch_policy, unwrap_policy
+from roundalign.integrations.trl import EngineRolloutFunc, log_mismatch, patch_policy, unwrap_policy
 from roundalign.sync import KEYS as SYNC_KEYS
 from roundalign.sync import ExportState, export_bf16, tensor_seed
 
@@ -47,7 +47,7 @@ class Capture(TrainerCallback):
     """Records, per generation batch, what TRL scored and the engine's independent re-score of the same tokens, and,
     at attach and after every sync, the policy's master and the engine's served weights."""
 
-    def __init__(self, trainer, rollout: EngineRollout):
+    def __init__(self, trainer, rollout: EngineRolloutFunc):
         self.trainer, self.rollout = trainer, rollout
         self.batches, self.weights = [], [self.snapshot()]  # the export done at attach
         inner = trainer._generate_and_score_completions  # already wrapped by the rollout's metrics hook
@@ -90,7 +90,7 @@ def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1
     patch_policy(model, "vllm")
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), fp32=fp32, steps=steps, temperature=TEMPERATURE,
                                 **config)
-    rollout = EngineRollout(engine_profile="vllm", sync=sync, seed=3, attribution_every=attribution_every,
+    rollout = EngineRolloutFunc(engine_profile="vllm", sync=sync, seed=3, attribution_every=attribution_every,
                             prefill_check=attribution_every > 0)
     rollout.attach(trainer)
     capture = Capture(trainer, rollout)
@@ -122,7 +122,7 @@ def test_stock_trl_applies_no_is_correction_to_a_rollout_func(tmp_path):
 
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), steps=1, temperature=TEMPERATURE,
                                 rollout_func=rollout_func)
-    log_mismatch(trainer, "vllm")  # our metrics without EngineRollout: the logger recomputes what TRL skipped
+    log_mismatch(trainer, "vllm")  # our metrics without EngineRolloutFunc: the logger recomputes what TRL skipped
     inner = trainer._generate_and_score_completions
 
     def outer(inputs):
@@ -292,7 +292,7 @@ def _check_follow(capture, rollout, mode):
 def test_rollout_honours_trl_sampling_settings(tmp_path):
     model, tokenizer = trl_setup.policy(fp32=True)
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), temperature=0.7, top_k=1, max_completion_length=5)
-    rollout = EngineRollout(engine_profile="vllm").attach(trainer)
+    rollout = EngineRolloutFunc(engine_profile="vllm").attach(trainer)
     prompts = [trl_setup.dataset()[0]["prompt"]] * 4
     out = rollout(prompts, trainer)
     # top_k=1 keeps one token: processed log-probs are exactly log 1 = 0, and every sample is the argmax.
@@ -308,18 +308,18 @@ def test_unsupported_generation_settings_are_refused(tmp_path, setting, value):
     model, tokenizer = trl_setup.policy(fp32=True)
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), **{setting: value})
     with pytest.raises(ValueError, match=setting):
-        EngineRollout().attach(trainer)
+        EngineRolloutFunc().attach(trainer)
 
 
 def test_usage_errors(tmp_path):
     model, tokenizer = trl_setup.policy(fp32=False)
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), fp32=False)
     with pytest.raises(TypeError, match="fp32 master"):
-        EngineRollout(sync="stochastic").attach(trainer)
+        EngineRolloutFunc(sync="stochastic").attach(trainer)
     with pytest.raises(RuntimeError, match="attach"):
-        EngineRollout()(["x"], trainer)
+        EngineRolloutFunc()(["x"], trainer)
     with pytest.raises(ValueError, match="sync mode"):
-        EngineRollout(sync="nearest")
+        EngineRolloutFunc(sync="nearest")
 
 
 def test_patch_policy_after_construction_patches_policy_and_reference_model(tmp_path):

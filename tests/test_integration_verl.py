@@ -178,7 +178,7 @@ def test_patch_actor_refuses_unsupported_and_unreached():
 
 def test_write_rollout_logprobs_unpads_a_verl_batch(tmp_path):
     from roundalign.integrations.verl import write_rollout_logprobs
-    from roundalign.probe import read_engine_logprobs
+    from roundalign.rollouts import read_engine_logprobs
 
     batch = {  # verl's layout: left-padded prompts, right-padded responses, one attention_mask over both
         "prompts": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]),

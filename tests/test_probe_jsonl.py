@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roundalign.probe.jsonl import (
+from roundalign.rollouts.jsonl import (
     MAX_REPORTED,
-    EngineRollout,
     JSONLError,
+    Rollout,
     read_engine_logprobs,
     write_engine_logprobs,
 )
@@ -46,8 +46,8 @@ def test_reads_records_in_order(tmp_path):
     path = _write(tmp_path, json.dumps(GOOD), json.dumps(second), "", "  ")  # trailing blank lines are allowed
     got = _read(path)
     assert got == [
-        EngineRollout([1, 2, 3], [4, 299], [-0.5, -0.0]),
-        EngineRollout([0], [7, 8, 9], [-1.0, -2.25, -1e-9]),
+        Rollout([1, 2, 3], [4, 299], [-0.5, -0.0]),
+        Rollout([0], [7, 8, 9], [-1.0, -2.25, -1e-9]),
     ]
     assert all(isinstance(x, float) for x in got[1].logprobs)
 
@@ -147,7 +147,7 @@ def test_limits_must_be_positive_ints(tmp_path, kwargs):
 
 records = st.lists(
     st.builds(
-        lambda p, c: EngineRollout(p, [tok for tok, _ in c], [lp for _, lp in c]),
+        lambda p, c: Rollout(p, [tok for tok, _ in c], [lp for _, lp in c]),
         st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
         st.lists(
             st.tuples(st.integers(0, VOCAB - 1), st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)),
@@ -171,8 +171,8 @@ def test_write_then_read_is_exact(tmp_path_factory, rollouts):
 
 def test_write_rejects_bad_rollouts(tmp_path):
     with pytest.raises(ValueError, match="finite"):
-        write_engine_logprobs(tmp_path / "x.jsonl", [EngineRollout([1], [2], [float("nan")])])
+        write_engine_logprobs(tmp_path / "x.jsonl", [Rollout([1], [2], [float("nan")])])
     with pytest.raises(ValueError, match=r"rollouts\[0\]: 1 log-probs for 2 tokens"):
-        write_engine_logprobs(tmp_path / "x.jsonl", [EngineRollout([1], [2, 3], [-1.0])])
-    with pytest.raises(TypeError, match="not an EngineRollout"):
+        write_engine_logprobs(tmp_path / "x.jsonl", [Rollout([1], [2, 3], [-1.0])])
+    with pytest.raises(TypeError, match="not a roundalign.rollouts.Rollout"):
         write_engine_logprobs(tmp_path / "x.jsonl", [GOOD])

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roundalign.probe.metrics import (
+from roundalign.numerics.metrics import (
     METRIC_KEYS,
     SAFETY_BOUND,
     bf16_ulp_distance,

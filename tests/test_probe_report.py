@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from roundalign.probe.metrics import layer_agreement, log_ratios, mismatch_metrics
+from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import (
     SCHEMA,
     build_report,

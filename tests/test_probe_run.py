@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
 from roundalign.probe.run import ProbeConfig, run_probe
-from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model
+from roundalign.rollouts import Rollout, write_engine_logprobs
+from roundalign.trainer import TrainerSide, load_trainer_model
 from tests.vllm_native import tiny_qwen3
 
 
@@ -82,7 +82,7 @@ def test_jsonl_import_matches_the_engine_decode_reference(model_dir, tmp_path):
                       prompts=_prompts(4), num_samples=4, max_tokens=8, seed=4, layer_sequences=0)
     report, arrays = run_probe(cfg)
     dump = tmp_path / "dump.jsonl"
-    write_engine_logprobs(dump, [EngineRollout(r.prompt_token_ids, r.token_ids, r.logprobs)
+    write_engine_logprobs(dump, [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs)
                                  for r in arrays["rollouts"]])
     imported, _ = run_probe(ProbeConfig(model=str(model_dir), engine_profile="vllm", trainer_profiles=("hf",),
                                         engine_logprobs=str(dump)))

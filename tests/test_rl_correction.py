@@ -1,6 +1,6 @@
 """IS corrections between engine and trainer log-probs: .venv/bin/python -m pytest -q tests/test_rl_correction.py
 
-Expected values come from the formulas in roundalign/rl/correction.py's docstring, evaluated with plain Python loops
+Expected values come from the formulas in roundalign/numerics/correction.py's docstring, evaluated with plain loops
 and math.exp in float64, never by calling the code under test. Inputs are dyadic (-1.5, -0.25, ...) so the fp32
 log-ratio old - rollout is exact; what remains is the fp32 exp, within 1 ulp of e^x (torch's CPU exp is a 1-ulp
 kernel), so unclamped ratios are checked to 1 fp32 ulp against e^x rounded to fp32. Clamped weights (the bound
@@ -15,7 +15,7 @@ import struct
 import pytest
 import torch
 
-from roundalign.rl.correction import IS_MODES, METRIC_KEYS, SAFETY_BOUND, ISCorrection, is_weights
+from roundalign.numerics.correction import IS_MODES, METRIC_KEYS, SAFETY_BOUND, ISCorrection, is_weights
 
 BIG = 3.0e38  # finite garbage for padding: old - rollout overflows to inf if padding ever enters the arithmetic
 REL = 2.0**-20

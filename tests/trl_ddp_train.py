@@ -3,7 +3,7 @@
 DDP over gloo, on the CPU.
 
 Each rank patches the policy right after building the trainer (``patch_policy(trainer)``), attaches its own
-``EngineRollout``, trains 2 steps, and writes ``DIR/rank{N}.json``: its log history, whether its engine serves the
+``EngineRolloutFunc``, trains 2 steps, and writes ``DIR/rank{N}.json``: its log history, whether its engine serves the
 RNE export of its (DDP-synchronised) fp32 master, a digest of the served bytes, and the completions it sampled.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 import roundalign
 import trl_setup
-from roundalign.integrations.trl import EngineRollout, patch_policy, unwrap_policy
+from roundalign.integrations.trl import EngineRolloutFunc, patch_policy, unwrap_policy
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     trainer = trl_setup.trainer(model, tokenizer, str(out / "trainer"), steps=2, generations=4,
                                 per_device_train_batch_size=4)
     patch_policy(trainer, "vllm")  # after construction: patches the unwrapped policy
-    rollout = EngineRollout(engine_profile="vllm", sync="rne", attribution_every=1,
+    rollout = EngineRolloutFunc(engine_profile="vllm", sync="rne", attribution_every=1,
                             prefill_check=True).attach(trainer)
     trainer.train()
 

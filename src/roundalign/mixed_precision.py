@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-_LOW = (torch.bfloat16, torch.float16)
+from roundalign.numerics.dtypes import LOW_PRECISION
 
 
 class Carry:
@@ -53,7 +53,7 @@ def low_dtype(*tensors: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     for t in tensors:
-        if t.dtype in _LOW or t.dtype == torch.float64:
+        if t.dtype in LOW_PRECISION or t.dtype == torch.float64:
             return t.dtype
     raise TypeError(
         f"roundalign: the aligned model computes in {tensors[0].dtype} with autocast off, where no engine rounding "

@@ -19,28 +19,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from roundalign.mixed_precision import Carry, low_dtype
 from roundalign.profiles import CosSinDtype, RopeRule
-
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-
-
-def rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or {}
-    return params.get("rope_type", "default")
-
-
-def check_rope(config) -> None:
-    kind = rope_type(config)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(
-            f"rope_type {kind!r} is not supported; roundalign computes engine RoPE angles for "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (what released Qwen2/Qwen3/Llama checkpoints use). "
-            "Dynamic and longrope scaling change inv_freq with the sequence length."
-        )
+from roundalign.support import check_trainer_model, rope_type
 
 
 def engine_inv_freq(config, default_fn) -> tuple[torch.Tensor, float]:
     """(inv_freq in fp32 on the CPU, attention_scaling) from the config, as an engine computes them at load."""
-    check_rope(config)
+    check_trainer_model(config)
     kind = rope_type(config)
     fn = default_fn if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
     with torch.device("cpu"):

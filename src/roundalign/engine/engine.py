@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +27,7 @@ from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
 from roundalign.engine.sampling import SamplingParams, process, request_generators, sample, token_logprobs
 from roundalign.profiles import get_profile
+from roundalign.rollouts import Rollout
 
 BACKENDS = ("kernels", "inductor")
 _PIECEWISE = []
@@ -48,18 +48,6 @@ class _PerSequenceNativeModel(NativeModel):
 
 
 SCORE_MODES = ("prefill", "decode")
-
-
-@dataclass
-class Completion:
-    """One sequence of a ``generate`` call. ``token_ids`` includes a stop token (with its log-prob), as vLLM does
-    for EOS; ``finish_reason`` is ``"stop"`` (a stop or EOS token) or ``"length"`` (max_tokens or the context)."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str | None = None
 
 
 class Engine:
@@ -157,8 +145,12 @@ class Engine:
     # ----------------------------------------------------------------------------------------------------------
     # public API
 
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[Completion]:
-        """Sample one completion per prompt (token-id lists, or strings when the engine has a tokenizer)."""
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[Rollout]:
+        """Sample one completion per prompt (token-id lists, or strings when the engine has a tokenizer).
+
+        Each ``Rollout``'s ``token_ids`` include a stop token (with its log-prob), as vLLM does for EOS;
+        ``finish_reason`` is ``"stop"`` (a stop or EOS token) or ``"length"`` (max_tokens or the context); ``text``
+        is the decoded completion when the engine has a tokenizer."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -166,7 +158,9 @@ class Engine:
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
         budgets = [min(params.max_tokens, self.max_model_len - len(p)) for p in ids]  # context limit -> "length"
         generators = request_generators(params.seed, len(ids))
-        outs = [Completion(list(p), [], [], "length") for p in ids]
+        tokens_of: list[list[int]] = [[] for _ in ids]
+        logprobs_of: list[list[float]] = [[] for _ in ids]
+        stopped = [False] * len(ids)
 
         def choose(active, logits):
             processed = process(logits, params)
@@ -174,19 +168,18 @@ class Engine:
             lps = token_logprobs(logits, processed, tokens, params.logprobs_mode)
             picks = []
             for seq, tok, lp in zip(active, tokens.tolist(), lps.tolist(), strict=True):
-                out = outs[seq]
-                out.token_ids.append(tok)
-                out.logprobs.append(lp)
-                if tok in stop:
-                    out.finish_reason = "stop"
-                picks.append((tok, tok in stop or len(out.token_ids) == budgets[seq]))
+                tokens_of[seq].append(tok)
+                logprobs_of[seq].append(lp)
+                stopped[seq] = tok in stop
+                picks.append((tok, tok in stop or len(tokens_of[seq]) == budgets[seq]))
             return picks
 
         self._rollout(ids, budgets, choose)
-        if self.tokenizer is not None:
-            for out in outs:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        return outs
+        return [
+            Rollout(list(p), toks, lps, "stop" if done else "length",
+                    None if self.tokenizer is None else self.tokenizer.decode(toks, skip_special_tokens=True))
+            for p, toks, lps, done in zip(ids, tokens_of, logprobs_of, stopped, strict=True)
+        ]
 
     def score(self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=(),
               temperature: float = 1.0) -> list[torch.Tensor]:

@@ -21,45 +21,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from roundalign.numerics.dtypes import LOW_PRECISION
+from roundalign.support import ENGINE_FAMILIES, check_engine_model, head_dim
 from roundalign.sync import MODES as EXPORT_MODES
 from roundalign.sync import Exporter
 
-SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama")
+SUPPORTED_FAMILIES = ENGINE_FAMILIES
 ROUNDINGS = EXPORT_MODES  # how load_weights rounds fp32 masters: roundalign.sync's export modes
-DTYPES = (torch.bfloat16, torch.float16)
-_JSONL_HINT = (
-    "For other models, sample with vLLM or SGLang and compare their log-probs with "
-    "`roundalign probe --engine-logprobs dump.jsonl`."
-)
-
-
 def check_config(config) -> None:
-    """Refuse what the engine does not implement, before any weight is read."""
-    from roundalign.rotary import check_rope
-
-    family = getattr(config, "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"roundalign.engine supports the dense families {', '.join(SUPPORTED_FAMILIES)}; got model_type "
-            f"{family!r}. {_JSONL_HINT}"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"the engine's MLP is SwiGLU and needs hidden_act='silu', got {act!r}. {_JSONL_HINT}")
-    sliding = getattr(config, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(config, "layer_types", None) or ())
-    )
-    if sliding:
-        raise ValueError(
-            "the engine implements full causal attention only; this config uses sliding-window layers "
-            "(use_sliding_window / layer_types). Set use_sliding_window=False if the checkpoint allows it. "
-            + _JSONL_HINT
-        )
-    check_rope(config)
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """Refuse what the engine does not implement, before any weight is read (``roundalign.support``)."""
+    check_engine_model(config)
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -136,7 +107,7 @@ class _Body(nn.Module):
 
 def check_dtype(dtype) -> torch.dtype:
     """The engine's served dtype: bf16 or fp16, anything else is a ValueError that names the choices."""
-    if dtype not in DTYPES:
+    if dtype not in LOW_PRECISION:
         raise ValueError(f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
                          "(an fp16 engine, for an fp16 trainer)")
     return dtype
@@ -275,7 +246,7 @@ def load(model_or_path, tokenizer=None, dtype: torch.dtype = torch.bfloat16):
 def read_config(path: Path):
     """The HF config of model directory ``path``, with errors that say what is missing or broken.
 
-    Shared with the probe's trainer side (``roundalign.probe.trainer``), which loads the same directories.
+    Shared with the probe's trainer side (``roundalign.trainer``), which loads the same directories.
     """
     import transformers
 

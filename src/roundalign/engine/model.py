@@ -36,13 +36,11 @@ from roundalign.engine.attention import Step, attention
 from roundalign.engine.gemm import linear, logits
 from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
-from roundalign.ops.rms_norm import _add_fp32_sum, _add_rounded, _rms_norm
-from roundalign.ops.rope import _rope
-from roundalign.ops.swiglu import _swiglu
+from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule, RopeRounding
 
-# The profile's formulas are roundalign.ops' own functions (_rms_norm, _rope, _swiglu, the two adds): the code its
-# torch.library ops run. The engine calls them directly, without the op dispatch that only torch.compile (opacity)
+# The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
+# The engine calls them directly, without the op dispatch that only torch.compile (opacity)
 # and autograd (the backward) need: same code, same bits as the trainer's ops, and a decode step about a quarter
 # faster on the tiny models (the dispatch costs more than the formula at a handful of tokens).
 
@@ -50,9 +48,9 @@ from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule, 
 def _residual_add(a: torch.Tensor, h: torch.Tensor, rule: ResidualRule, dtype: torch.dtype):
     """``roundalign.ops.residual_add``: (R, what the next norm reads: R, or the fp32 sum S)."""
     if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
-        r = _add_rounded(a, h)  # R = r(h + a), one add in the model dtype
+        r = formulas.add_rounded(a, h)  # R = r(h + a), one add in the model dtype
         return r, r
-    return _add_fp32_sum(a, h, dtype)  # (R = r(S), S)
+    return formulas.add_fp32_sum(a, h, dtype)  # (R = r(S), S)
 
 
 def _plain(module):
@@ -108,8 +106,8 @@ class KernelsModel:
         qk = torch.cat((q.view(n, -1, d), k.view(n, -1, d)), dim=1)
         if a.q_norm is not None:  # Qwen3: per-head RMSNorm, q_norm's weight on q's heads, k_norm's on k's
             w = torch.cat((a.q_norm.weight.expand(heads[0], d), a.k_norm.weight.expand(heads[1], d)))
-            qk = _rms_norm(qk, w, self.eps, self.qk_rule, self.dtype)  # fp32 under fused_into_rope
-        qk = _rope(qk, cos, sin, self.rope_rounding, self.dtype)
+            qk = formulas.rms_norm(qk, w, self.eps, self.qk_rule, self.dtype)  # fp32 under fused_into_rope
+        qk = formulas.rope(qk, cos, sin, self.rope_rounding, self.dtype)
         q, k = (t.reshape(n, -1) for t in qk.split(heads, dim=1))
         o = attention(i, q, k, v, step)
         return self._linear(o, a.o_proj, (i, "attention out"), step)
@@ -117,7 +115,7 @@ class KernelsModel:
     def _mlp(self, i: int, mlp, h: torch.Tensor, step: Step) -> torch.Tensor:
         gate = self._linear(h, mlp.gate_proj, (i, "mlp in"), step)
         up = self._linear(h, mlp.up_proj, (i, "mlp in"), step)
-        return self._linear(_swiglu(gate, up, self.swiglu_rule), mlp.down_proj, (i, "mlp out"), step)
+        return self._linear(formulas.swiglu(gate, up, self.swiglu_rule), mlp.down_proj, (i, "mlp out"), step)
 
     def forward(self, input_ids: torch.Tensor, step: Step, capture: bool = False):
         w, rule, eps, dtype = self.weights.model, self.residual, self.eps, self.dtype
@@ -128,17 +126,17 @@ class KernelsModel:
         captured = []
         for i, layer in enumerate(w.layers):
             residual = x if rule is ResidualRule.NEVER_ROUND else rounded
-            h = _rms_norm(x, layer.input_layernorm.weight, eps, self.rms_rule, dtype)
+            h = formulas.rms_norm(x, layer.input_layernorm.weight, eps, self.rms_rule, dtype)
             h = self._attention(i, layer.self_attn, h, cos, sin, step)
             rounded, x = _residual_add(h, residual, rule, dtype)
             # Carried into the MLP's add: R, except where a compiled engine keeps the post-attention sum in fp32.
             residual = x if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else rounded
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, eps, self.rms_rule, dtype)
+            h = formulas.rms_norm(x, layer.post_attention_layernorm.weight, eps, self.rms_rule, dtype)
             h = self._mlp(i, layer.mlp, h, step)
             rounded, x = _residual_add(h, residual, rule, dtype)
             if capture:
                 captured.append(rounded)  # R = r(S) after this layer, whatever the rule carries on
-        h = _rms_norm(x, w.norm.weight, eps, self.rms_rule, dtype)
+        h = formulas.rms_norm(x, w.norm.weight, eps, self.rms_rule, dtype)
         return h, captured
 
     def logits(self, hidden: torch.Tensor, step: Step, groups) -> torch.Tensor:

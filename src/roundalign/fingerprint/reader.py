@@ -41,8 +41,8 @@ import torch
 
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint import runner as R
+from roundalign.numerics.bf16 import bf16_order_key
 from roundalign.ops import residual_add, rms_norm, rope, swiglu
-from roundalign.probe.metrics import bf16_order_key
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule, SwiGLURule
 
 MATCH_EQUAL, MATCH_ULP, FAR_BELOW = 0.999, 1, 0.99

@@ -60,7 +60,8 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     import torch
 
     from roundalign import models
-    from roundalign.probe.trainer import load_trainer_model, read_rollouts
+    from roundalign.rollouts import read_rollouts
+    from roundalign.trainer import load_trainer_model
 
     try:
         device = torch.device(device)

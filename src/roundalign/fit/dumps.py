@@ -22,13 +22,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
+from roundalign.rollouts import Rollout, write_engine_logprobs
 
 MODES = ("prefill", "decode")
 
 
 def reference_dump(profile, *, model=None, mode: str = "prefill", backend: str = "kernels", tokens: int = 2000,
-                   max_tokens: int = 125, seed: int = 0) -> list[EngineRollout]:
+                   max_tokens: int = 125, seed: int = 0) -> list[Rollout]:
     """Completions totalling at least ``tokens`` tokens, scored by the reference engine under ``profile``."""
     from roundalign import models
     from roundalign.engine import Engine, SamplingParams
@@ -45,7 +45,7 @@ def reference_dump(profile, *, model=None, mode: str = "prefill", backend: str =
     done = Engine(model, "hf").generate(default_prompts(n, seed), params)
     scorer = Engine(model, profile, backend=backend)
     logprobs = scorer.score([c.prompt_token_ids for c in done], [c.token_ids for c in done], mode=mode)
-    return [EngineRollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
+    return [Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
             for c, lp in zip(done, logprobs, strict=True)]
 
 

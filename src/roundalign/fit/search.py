@@ -41,8 +41,9 @@ import torch
 import roundalign
 from roundalign.fit.space import Candidate, Space
 from roundalign.fit.verdict import KEYS, fitted_profile, margin, regions_verdict, sign_test
-from roundalign.probe.metrics import mismatch_metrics
-from roundalign.probe.trainer import Rollout, TrainerSide
+from roundalign.numerics.metrics import mismatch_metrics
+from roundalign.rollouts import Rollout
+from roundalign.trainer import TrainerSide
 
 BITWISE_FLOOR = 0.05
 

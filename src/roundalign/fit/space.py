@@ -15,7 +15,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from roundalign.patch import _family_of
+from roundalign import support
+from roundalign.patch import family_of
 from roundalign.profiles import (
     PROFILES,
     REGIONS,
@@ -87,9 +88,9 @@ class Space:
     @classmethod
     def of(cls, model) -> Space:
         """The space for an HF model that ``roundalign.apply`` supports (its family decides the regions)."""
-        family = _family_of(model)  # unsupported model types raise here, naming the supported ones
+        family = family_of(model)  # unsupported model types raise here, naming the supported ones
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = support.head_dim(config)
         kinds = {type(m) for m in model.modules()}
         idle = {}
         if not family.has_qk_norm:

@@ -2,10 +2,10 @@
 
 A TRL user keeps ``GRPOTrainer`` and adds a few lines (docs/trl.md)::
 
-    from roundalign.integrations.trl import EngineRollout, patch_policy
+    from roundalign.integrations.trl import EngineRolloutFunc, patch_policy
 
     patch_policy(model, "vllm")                       # the policy rounds where the engine does
-    rollout = EngineRollout(engine_profile="vllm", sync="stochastic", seed=0)
+    rollout = EngineRolloutFunc(engine_profile="vllm", sync="stochastic", seed=0)
     trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward, train_dataset=ds, rollout_func=rollout)
     rollout.attach(trainer)                           # turns on TRL's IS correction, the sync and the metrics
     trainer.train()
@@ -14,7 +14,7 @@ A TRL user keeps ``GRPOTrainer`` and adds a few lines (docs/trl.md)::
   the trainer's reference model, when given a trainer that has one). TRL's usual CPU/GPU setup holds fp32
   parameters and computes under bf16 autocast; ``allow_non_bf16`` lets the patched ops round where the engine does
   there too.
-- ``EngineRollout`` is a TRL ``rollout_func`` backed by ``roundalign.engine.Engine``: its own numerics profile, its
+- ``EngineRolloutFunc`` is a TRL ``rollout_func`` backed by ``roundalign.engine.Engine``: its own numerics profile, its
   own served 16-bit copy of the weights. It returns what TRL 1.16's contract asks for (prompt ids, completion ids,
   the sampler's per-token log-probs, ``processed`` as vLLM's ``processed_logprobs``), so TRL trains on the engine's
   samples as it would on vLLM's.
@@ -44,10 +44,11 @@ import torch
 from roundalign.engine import BACKENDS, Engine, SamplingParams
 from roundalign.integrations import trl_metrics
 from roundalign.integrations.trl_policy import check_not_sharded, check_trainer, patch_policy, unwrap_policy
+from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.profiles import Profile, get_profile
 from roundalign.sync import MODES, UpdateTracker
 
-__all__ = ["EngineRollout", "log_mismatch", "patch_policy", "unwrap_policy"]
+__all__ = ["EngineRolloutFunc", "log_mismatch", "patch_policy", "unwrap_policy"]
 
 
 def _stream_seed(seed: int, rank: int, call: int) -> int:
@@ -61,14 +62,14 @@ class _EngineGeneration:
     each new step's first rollout; the callback already synced after the optimizer step, so this only catches up
     when it did not run (a removed callback)."""
 
-    def __init__(self, rollout: EngineRollout) -> None:
+    def __init__(self, rollout: EngineRolloutFunc) -> None:
         self._rollout = rollout
 
     def sync_weights(self) -> None:
         self._rollout._sync_if_stale()
 
 
-class EngineRollout:
+class EngineRolloutFunc:
     """A TRL ``rollout_func`` backed by the reference engine, with weight sync and mismatch metrics.
 
     Args:
@@ -105,7 +106,7 @@ class EngineRollout:
                                    ("lag_window", lag_window, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in LOW_PRECISION:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.backend, self.sync_mode, self.seed, self.dtype = backend, sync, seed, dtype
         self.attribution_every, self.prefill_check = attribution_every, bool(prefill_check)
@@ -121,19 +122,19 @@ class EngineRollout:
     # ----------------------------------------------------------------------------------------------------------
     # attaching to a trainer
 
-    def attach(self, trainer) -> EngineRollout:
+    def attach(self, trainer) -> EngineRolloutFunc:
         """Bind to ``trainer`` (once, right after building it): check its generation settings, build the engine from
         the unwrapped policy, turn on TRL's IS correction for the engine's log-probs (module docstring), install the
         metrics and the sync callback, and export the policy once. Sets ``trainer.rollout_func`` when it is None."""
         if self.trainer is trainer:
             return self
         if self.trainer is not None:
-            raise ValueError("this EngineRollout is already attached to another trainer; make one per trainer")
+            raise ValueError("this EngineRolloutFunc is already attached to another trainer; make one per trainer")
         check_trainer(trainer)
         if trainer.rollout_func is None:
             trainer.rollout_func = self
         elif trainer.rollout_func is not self:
-            raise ValueError("the trainer already has another rollout_func; pass rollout_func=this EngineRollout")
+            raise ValueError("the trainer already has another rollout_func; pass rollout_func=this EngineRolloutFunc")
         policy = unwrap_policy(trainer)
         check_not_sharded(policy, "policy")
         if self.sync_mode != "rne":
@@ -165,7 +166,7 @@ class EngineRollout:
                                "it turns on TRL's IS correction for the engine's log-probs and the weight sync")
         prompt_ids, images, _ = trainer._tokenize_prompts(prompts)  # TRL's own chat template and tokenization
         if images is not None:
-            raise ValueError("EngineRollout samples text only; this batch has images (a vision-language model)")
+            raise ValueError("EngineRolloutFunc samples text only; this batch has images (a vision-language model)")
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         params = SamplingParams(
             temperature=float(trainer.temperature), top_p=float(trainer.top_p), top_k=int(trainer.top_k or 0),
@@ -200,7 +201,7 @@ class EngineRollout:
         """Export the unwrapped policy's weights to the engine with the sync mode; returns the ``sync/*`` update
         visibility (empty without ``track_updates``)."""
         if self.trainer is None:
-            raise RuntimeError("EngineRollout.sync before attach(trainer)")
+            raise RuntimeError("EngineRolloutFunc.sync before attach(trainer)")
         policy = unwrap_policy(self.trainer)
         with torch.no_grad():
             master = {name: t.detach() for name, t in policy.state_dict().items()}
@@ -221,9 +222,9 @@ class EngineRollout:
 def log_mismatch(trainer, engine_profile: str | Profile = "vllm", *, attribution_every: int = 0,
                  attribution_base: str | Profile = "hf") -> trl_metrics.MismatchLogger:
     """Log the mismatch metrics (``rollout_corr/*``, raw IS ratios, and every ``attribution_every`` steps the
-    per-region attribution) on a trainer whose sampler is not an ``EngineRollout``: TRL's own vLLM
+    per-region attribution) on a trainer whose sampler is not an ``EngineRolloutFunc``: TRL's own vLLM
     (``use_vllm=True``), whose log-probs TRL hands back as ``sampling_per_token_logps``. ``engine_profile`` names
-    the vLLM server's numerics, the target of the attribution. ``EngineRollout.attach`` does this itself."""
+    the vLLM server's numerics, the target of the attribution. ``EngineRolloutFunc.attach`` does this itself."""
     logger = trl_metrics.MismatchLogger(get_profile(engine_profile), attribution_every, get_profile(attribution_base))
     logger.install(trainer)
     return logger

@@ -9,11 +9,11 @@ which TRL averages over ``logging_steps`` and logs with its own (``trainer.state
 
 Per generation batch, over every completion token of every rank (gathered, so all ranks log the same numbers):
 
-- ``rollout_corr/*``, ``training/rollout_probs_diff_*``, ``mismatch/*``: ``roundalign.probe.metrics`` with verl's
+- ``rollout_corr/*``, ``training/rollout_probs_diff_*``, ``mismatch/*``: ``roundalign.numerics.metrics`` with verl's
   definitions (``rollout_corr/k3_kl`` = mean(exp(rho) - rho - 1), rho = logp_trainer - logp_sampler);
 - ``rollout_corr/raw_is_*``: the raw importance ratios, before TRL truncates or masks them (trl#5231), and
-  ``rollout_corr/rollout_is_ratio_fraction_{high,low}`` against TRL's clip band (``roundalign.rl.correction``);
-- with a prefill scorer (``EngineRollout(prefill_check=True)``), ``prefill/*``: the trainer against the engine's own
+  ``rollout_corr/rollout_is_ratio_fraction_{high,low}`` against TRL's clip band (``roundalign.numerics.correction``);
+- with a prefill scorer (``EngineRolloutFunc(prefill_check=True)``), ``prefill/*``: the trainer against the engine's own
   one-sequence prefill of the same tokens, the rounding-location gap without decode's attention shapes;
 - every ``attribution_every`` training steps, ``attribution/*``: the same rollouts re-scored by the policy under
   the base profile (stock ``hf``), under the engine profile, and with one region switched at a time
@@ -30,12 +30,12 @@ from transformers import TrainerCallback
 
 import roundalign
 from roundalign.integrations.trl_policy import check_not_sharded, unwrap_policy
+from roundalign.numerics.correction import ISCorrection, is_weights
+from roundalign.numerics.metrics import mismatch_metrics
 from roundalign.probe.attribution import SHARE_METRIC, attribution_entry, region_switches
-from roundalign.probe.metrics import mismatch_metrics
-from roundalign.rl.correction import ISCorrection, is_weights
 from roundalign.sync import KEYS as SYNC_KEYS
 
-# What is logged from roundalign.probe.metrics (TRL logs sampling/sampling_logp_difference/* itself).
+# What is logged from roundalign.numerics.metrics (TRL logs sampling/sampling_logp_difference/* itself).
 MISMATCH_KEYS = (
     "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
     "rollout_corr/log_ppl_abs_diff", "rollout_corr/ppl_ratio", "training/rollout_probs_diff_mean",
@@ -49,8 +49,8 @@ RAW_IS_KEYS = (
 )  # fmt: skip
 FRACTION_KEYS = ("rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low")
 ATTRIBUTION_METRICS = ("rollout_corr/k3_kl", "mismatch/log_ratio_rms", "mismatch/bitwise_equal_frac")
-# With a prefill re-score (EngineRollout(prefill_check=True)): the trainer against the engine's own prefill, the names
-# roundalign train --prefill-check logs.
+# With a prefill re-score (EngineRolloutFunc(prefill_check=True)): the trainer against the engine's own prefill,
+# under the names roundalign train --prefill-check logs.
 PREFILL_KEYS = (
     "rollout_corr/k3_kl", "mismatch/log_ratio_rms", "mismatch/bitwise_equal_frac", "mismatch/log_ratio_max_abs",
 )  # fmt: skip
@@ -67,7 +67,7 @@ def log_sync(trainer, metrics: dict) -> None:
 
 
 class RoundalignCallback(TrainerCallback):
-    """After every optimizer step: export the policy to the engine (``EngineRollout.sync``) and log ``sync/*``."""
+    """After every optimizer step: export the policy to the engine (``EngineRolloutFunc.sync``) and log ``sync/*``."""
 
     def __init__(self, rollout) -> None:
         self.rollout = rollout

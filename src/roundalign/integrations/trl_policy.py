@@ -78,11 +78,11 @@ def check_trainer(trainer) -> None:
     except ImportError as e:  # pragma: no cover - the [trl] extra is missing
         raise ImportError("roundalign.integrations.trl needs TRL: pip install 'roundalign[trl]'") from e
     if not isinstance(trainer, GRPOTrainer):
-        raise TypeError(f"EngineRollout attaches to a trl.GRPOTrainer, got {type(trainer).__name__}")
+        raise TypeError(f"EngineRolloutFunc attaches to a trl.GRPOTrainer, got {type(trainer).__name__}")
     args = trainer.args
     problems = []
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        problems.append("FSDP / DeepSpeed: each rank's engine needs the full weights; EngineRollout runs on one "
+        problems.append("FSDP / DeepSpeed: each rank's engine needs the full weights; EngineRolloutFunc runs on one "
                         "process or under DDP")
     if args.use_vllm:
         problems.append("use_vllm=True: the engine replaces vLLM as the sampler; set use_vllm=False")
@@ -107,4 +107,4 @@ def check_trainer(trainer) -> None:
         problems.append("loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
                         "(TRL checks this only when use_vllm is set at construction)")
     if problems:
-        raise ValueError("EngineRollout cannot honour these GRPOConfig settings:\n  - " + "\n  - ".join(problems))
+        raise ValueError("EngineRolloutFunc cannot honour these GRPOConfig settings:\n  - " + "\n  - ".join(problems))

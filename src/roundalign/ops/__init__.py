@@ -6,8 +6,9 @@ the 16-bit inputs. See
 ``roundalign/ops/_custom.py`` for how the gradient is defined.
 """
 
+from roundalign.numerics.formulas import rotate_half
 from roundalign.ops.rms_norm import add_rms_norm, residual_add, rms_norm
-from roundalign.ops.rope import rope, rotate_half
+from roundalign.ops.rope import rope
 from roundalign.ops.swiglu import swiglu
 
 __all__ = ["add_rms_norm", "residual_add", "rms_norm", "rope", "rotate_half", "swiglu"]

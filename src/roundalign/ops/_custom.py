@@ -34,27 +34,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-_LOW = (torch.bfloat16, torch.float16)
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 inputs; float64 stays float64 so that gradcheck can run with rounding off."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def default_out_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The dtype ``r(.)`` rounds to when the caller does not say: the model's 16-bit compute dtype.
-
-    That is the dtype of the first of ``tensors`` that is bf16 or fp16 (or float64, which turns rounding off), so an
-    fp32 intermediate such as the residual sum ``S`` rounds to the dtype of the other operand: bf16 in a bf16
-    model, fp16 in an fp16 one. Only when every tensor is fp32 is there no model dtype to follow; then it is bf16,
-    the dtype the profiles were read for.
-    """
-    for t in tensors:
-        if t.dtype in (*_LOW, torch.float64):
-            return t.dtype
-    return torch.bfloat16
-
 
 def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, grads, diff: Sequence[int]):
     # torch.func.vjp, not torch.autograd.grad: a custom op's kernel runs below the autograd dispatch key, where

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from roundalign.ops._custom import compute_dtype, default_out_dtype, define
+from roundalign.numerics.dtypes import compute_dtype, default_out_dtype
+from roundalign.numerics.formulas import add_fp32_sum as _add_fp32_sum
+from roundalign.numerics.formulas import add_rounded as _add_rounded
+from roundalign.numerics.formulas import rms_norm as _rms_norm
+from roundalign.numerics.formulas import rstd_aten as _rstd
+from roundalign.ops._custom import define
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
-
-
-def _rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    """nu(x) = rsqrt(mean(x^2) + eps) in fp32, with ATen's reduction order."""
-    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-
 
 # The same nu(x) as an op Inductor cannot see into, for the compiled variant: Inductor would sum the squares in its
 # own order, and a last-bit change of the variance moves a few outputs across a rounding tie.
@@ -40,25 +39,8 @@ _rstd_op = torch.library.custom_op("roundalign::rms_rstd", _rstd, mutates_args=(
 _rstd_op.register_fake(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 
 
-def _normalize(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd):
-    acc = compute_dtype(x)
-    x32 = x.to(acc)
-    normed = x32 * rstd(x32, eps)  # x * nu(x), fp32
-    if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:
-        return weight * normed.to(out_dtype)  # r(w * r(x * nu(x))): HF's expression, weight on the left
-    if rule == RMSNormRule.ROUND_AFTER_WEIGHT:
-        return (normed * weight.to(acc)).to(out_dtype)  # r(x * nu(x) * w)
-    if rule == QKNormRule.FUSED_INTO_ROPE:
-        return normed * weight.to(acc)  # x * nu(x) * w, left unrounded for RoPE
-    raise ValueError(f"unknown rms_norm rule {rule!r}")
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
-    return _normalize(x, weight, eps, rule, out_dtype, _rstd)
-
-
 def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to):
-    """Autograd's backward of ``_normalize``, written out op for op (PyTorch's derivatives.yaml): the same bits
+    """Autograd's backward of the RMSNorm formula, written out op for op (PyTorch's derivatives.yaml): the same bits
     without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
     ``sum_to(t, shape)`` are the two reductions, so that the fused variant can keep them ATen's."""
     acc = compute_dtype(x)
@@ -101,16 +83,7 @@ def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_d
 
 
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
-    return _normalize(x, weight, eps, rule, out_dtype, _rstd_op)
-
-
-def _add_rounded(a: torch.Tensor, h: torch.Tensor):
-    return h + a  # R = r(h + a): one bf16 add, as HF's `residual + hidden_states`
-
-
-def _add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype):
-    s = h.to(compute_dtype(h)) + a.to(compute_dtype(a))  # S = h + a in fp32, not rounded
-    return s.to(out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
+    return _rms_norm(x, weight, eps, rule, out_dtype, _rstd_op)
 
 
 def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype):

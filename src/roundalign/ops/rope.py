@@ -14,26 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from roundalign.ops._custom import compute_dtype, default_out_dtype, define
+from roundalign.numerics.dtypes import compute_dtype, default_out_dtype
+from roundalign.numerics.formulas import rope as _rope
+from roundalign.ops._custom import define
 from roundalign.profiles import RopeRounding
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``(x1, x2) -> (-x2, x1)``; negation is exact, so this never rounds."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype):
-    if rounding == RopeRounding.PER_OP:
-        # HF's `(q * cos) + (rotate_half(q) * sin)`: each product rounds, then the sum does. With bf16 x and
-        # cos the casts are no-ops and this is HF's expression exactly; with fp32 operands they round.
-        return (x * cos).to(out_dtype) + (rotate_half(x) * sin).to(out_dtype)
-    if rounding == RopeRounding.ONCE:
-        acc = compute_dtype(x)
-        x32 = x.to(acc)
-        return (x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)).to(out_dtype)  # r(x1*c - x2*s)
-    raise ValueError(f"unknown rope rounding {rounding!r}")
 
 
 def _rotate_half_backward(g: torch.Tensor) -> torch.Tensor:

@@ -12,17 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from roundalign.ops._custom import compute_dtype, define
+from roundalign.numerics.dtypes import compute_dtype
+from roundalign.numerics.formulas import swiglu as _swiglu
+from roundalign.ops._custom import define
 from roundalign.profiles import SwiGLURule
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
-    if rule == SwiGLURule.ROUND_SILU:
-        return F.silu(gate) * up  # HF's `act_fn(gate) * up`: silu rounds to gate's dtype, then the product does
-    if rule == SwiGLURule.ONCE:
-        acc = compute_dtype(gate)
-        return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)  # r(silu(g) * u)
-    raise ValueError(f"unknown swiglu rule {rule!r}")
 
 
 def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, rule: str):

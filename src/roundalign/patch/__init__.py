@@ -14,25 +14,23 @@ import torch
 
 from roundalign.patch.registry import FAMILIES, Family
 from roundalign.profiles import Profile, QKNormRule, RopeRounding, get_profile
-from roundalign.rotary import check_rope, engine_inv_freq
-
-_FAMILY_MODULES = ("qwen2", "qwen3", "qwen3_moe", "llama")
-_SWIGLU_ACTS = ("silu", "swish")
+from roundalign.rotary import engine_inv_freq
+from roundalign.support import TRAINER_FAMILIES, check_trainer_model, head_dim
 
 
 def supported_model_types() -> list[str]:
-    return list(_FAMILY_MODULES)
+    """The HF ``model_type`` values ``apply`` patches."""
+    return list(TRAINER_FAMILIES)
 
 
-def _family_of(model) -> Family:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _FAMILY_MODULES:
-        raise ValueError(
-            f"roundalign does not support model_type {model_type!r}; supported: {', '.join(_FAMILY_MODULES)} "
-            "(Qwen2 covers Qwen2.5)"
-        )
-    importlib.import_module(f"roundalign.patch.{model_type}")
-    return FAMILIES[model_type]
+def family_of(model) -> Family:
+    """The patch family of an HF model (or its config): which module classes ``apply`` swaps, and for what.
+
+    Raises ``roundalign.errors.UnsupportedModel`` for a model ``apply`` cannot patch (``roundalign.support``)."""
+    config = getattr(model, "config", model)
+    check_trainer_model(config)
+    importlib.import_module(f"roundalign.patch.{config.model_type}")
+    return FAMILIES[config.model_type]
 
 
 def patched_profile(model) -> Profile | None:
@@ -74,7 +72,7 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
     Applying the same profile twice only updates ``compile_ops``; applying a different one raises: ``revert`` first.
     """
     prof = get_profile(profile).replace(**region_overrides)
-    family = _family_of(model)
+    family = family_of(model)
     current = patched_profile(model)
     if current is not None:
         if current == prof:
@@ -100,12 +98,7 @@ def _set_compile_ops(model, compile_ops: bool) -> None:
 
 
 def _patch_modules(model, family: Family, prof: Profile, config) -> None:
-    act = getattr(config, "hidden_act", "silu")
-    if act not in _SWIGLU_ACTS:
-        raise ValueError(f"roundalign's SwiGLU rules need hidden_act='silu', got {act!r}")
-    check_rope(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = prof.rope_for(head_dim)
+    rope = prof.rope_for(head_dim(config))
     qk_fused = family.has_qk_norm and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE
 
     def attrs_for(role: str, name: str, module) -> dict:
@@ -183,4 +176,4 @@ def revert(model):
     return model
 
 
-__all__ = ["apply", "patched_profile", "revert", "supported_model_types"]
+__all__ = ["apply", "family_of", "patched_profile", "revert", "supported_model_types"]

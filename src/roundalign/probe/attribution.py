@@ -13,13 +13,14 @@ agrees, and ``alone_share = alone / base``. One differing rounding point anywher
 a little, so a region often closes little of the gap when switched alone yet causes much of it when alone.
 
 Per layer: the probe compares the residual stream after each decoder layer, trainer vs engine, in prefill
-(``roundalign.probe.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
+(``roundalign.numerics.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from roundalign import support
 from roundalign.probe.report import region_share
 from roundalign.profiles import REGIONS, Profile, get_profile
 
@@ -60,7 +61,7 @@ def region_switches(base: str | Profile, engine: str | Profile, config) -> list[
     probe's notes say so. RoPE rules are compared as they apply at this model's head_dim.
     """
     base, engine = get_profile(base), get_profile(engine)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = support.head_dim(config)
     out = []
     for region in REGIONS:
         if not _region_in_model(region, config):

@@ -106,8 +106,8 @@ def run(args: argparse.Namespace, console) -> dict:
 
     from roundalign.probe import report as report_mod
     from roundalign.probe import table
-    from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
     from roundalign.probe.run import plan, run_probe
+    from roundalign.rollouts import Rollout, write_engine_logprobs
 
     cfg = config_from_args(args)
     out = Path(args.out)
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, console) -> dict:
     if cfg.engine_logprobs is None:
         write_engine_logprobs(
             out / "rollouts.jsonl",
-            [EngineRollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in arrays["rollouts"]],
+            [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in arrays["rollouts"]],
         )
     if not args.no_plots:
         from roundalign.probe import plots

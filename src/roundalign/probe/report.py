@@ -14,7 +14,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from roundalign.probe.metrics import METRIC_KEYS
+from roundalign.numerics.metrics import METRIC_KEYS
 
 SCHEMA = "roundalign.probe.report/1"
 REPORT_FILE = "report.json"

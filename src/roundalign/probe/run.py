@@ -5,7 +5,7 @@ The steps, each one a progress tick:
 1. Load the model once. The trainer side keeps the bf16 HF model; every engine backend copies it into its own
    served copy and runs its own code (``roundalign.engine``), so agreement between the two sides is evidence.
 2. Rollouts: the first backend samples ``num_samples`` completions (``Engine.generate``), or they are read from
-   ``engine_logprobs`` (a JSONL dump from vLLM/SGLang, ``roundalign.probe.jsonl``).
+   ``engine_logprobs`` (a JSONL dump from vLLM/SGLang, ``roundalign.rollouts.jsonl``).
 3. Engine references, per backend: ``decode`` (the log-probs the engine returns while sampling: batched KV-cache
    decode steps) and ``prefill`` (the engine's own one-sequence recompute, which takes decode's kernel and shape
    effects out and leaves rounding locations). An import has one reference, ``jsonl``.
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe import attribution as attr
-from roundalign.probe.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import build_report
-from roundalign.probe.trainer import Rollout, TrainerSide, load_trainer_model, read_rollouts
 from roundalign.profiles import get_profile
+from roundalign.rollouts import Rollout, read_rollouts
+from roundalign.trainer import TrainerSide, load_trainer_model
 
 BACKENDS = ("kernels", "inductor")
 DECODE_SHAPE_VARIANTS = ((), ("attention",), ("matmul",), ("attention", "matmul"))

@@ -16,9 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
+from roundalign.numerics.correction import IS_MODES
 from roundalign.profiles import list_profiles
 from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, OPTIMIZERS, TrainConfig
-from roundalign.rl.correction import IS_MODES
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 

@@ -12,8 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from roundalign.numerics.correction import ISCorrection
 from roundalign.profiles import get_profile
-from roundalign.rl.correction import ISCorrection
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 

@@ -31,14 +31,15 @@ from pathlib import Path
 import torch
 
 from roundalign.engine import Engine, SamplingParams
-from roundalign.probe.metrics import mismatch_metrics
+from roundalign.numerics.correction import is_weights
+from roundalign.numerics.dtypes import BY_NAME as DTYPE
+from roundalign.numerics.metrics import mismatch_metrics
 from roundalign.rl import checkpoint
 from roundalign.rl.config import TrainConfig
-from roundalign.rl.correction import is_weights
 from roundalign.rl.data import Task, sampling_seed
 from roundalign.rl.logbook import Logbook, Progress
 from roundalign.rl.objective import group_advantages, policy_loss
-from roundalign.rl.policy import DTYPE, NonFiniteError, Policy
+from roundalign.rl.policy import NonFiniteError, Policy
 from roundalign.sync import Exporter, UpdateTracker
 from roundalign.tasks.arithmetic import reward
 

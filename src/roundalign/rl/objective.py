@@ -8,7 +8,7 @@ For a prompt, the rollout engine samples a group of G completions y_1..y_G and a
                                                                      old_logp: the trainer at the rollout's weights
     grpo        l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)     PPO-clip; eps_high defaults to eps_low
     reinforce   l_t = -A logp_t                                      plain REINFORCE (gradient -A d logp_t)
-    IS weight   w_t from roundalign.rl.correction (TIS / MIS between the engine's and old log-probs; 1 without)
+    IS weight   w_t from roundalign.numerics.correction (TIS / MIS between the engine's and old log-probs; 1 without)
     loss        L = sum over valid tokens of w_t l_t  /  N           N = number of valid tokens ("token-mean")
 
 "token-mean" is verl's default ``loss_agg_mode``. When the loop splits a batch into micro-batches it passes the
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from roundalign.rl.correction import SAFETY_BOUND
+from roundalign.numerics.correction import SAFETY_BOUND
 
 LOSS_TYPES = ("grpo", "reinforce")
 

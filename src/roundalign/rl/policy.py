@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 
 import roundalign
-from roundalign.engine.loader import read_config
+from roundalign.numerics import dtypes
 from roundalign.rl.config import TrainConfig
-
-DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+from roundalign.trainer import completion_logits, completion_logprobs, load_model
 
 
 class NonFiniteError(RuntimeError):
@@ -37,16 +36,9 @@ class NonFiniteError(RuntimeError):
 
 class Policy:
     def __init__(self, model_dir: Path, config: TrainConfig):
-        import transformers
-
         self.config = config
-        self.dtype = DTYPE[config.dtype]
-        read_config(Path(model_dir))  # the engine loader's clear errors for a missing or corrupt directory
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                      attn_implementation="sdpa")
-        except Exception as exc:  # missing or corrupt weights
-            raise ValueError(f"cannot load the weights in {str(model_dir)!r}: {exc}") from exc
+        self.dtype = dtypes.BY_NAME[config.dtype]
+        model = load_model(model_dir, torch.float32)
         # The master is the checkpoint upcast to fp32 (exact for a bf16 checkpoint); the compute copy starts as its
         # RNE cast, i.e. the checkpoint itself.
         self.master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
@@ -80,22 +72,17 @@ class Policy:
     # ----------------------------------------------------------------------------------------------------------
     # log-probs
 
-    def _forward(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    def _logits(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
         """Logits rows predicting each completion token, fp32 / temperature (as the engine's processed log-probs)."""
-        ids = torch.tensor(prompt + completion)[None]
-        logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-        return logits.float() / self.config.temperature
+        return completion_logits(self.model, prompt, completion).float() / self.config.temperature
 
     @torch.no_grad()
     def logprobs(self, prompt: list[int], completion: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs of the completion tokens, per-token entropy in nats), fp32, no gradient: the recompute."""
-        logp = self._forward(prompt, completion).log_softmax(-1)
-        picked = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-        return picked, -(logp.exp() * logp).sum(-1)
+        return completion_logprobs(self._logits(prompt, completion), completion, with_entropy=True)
 
     def logprobs_with_grad(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
-        logp = self._forward(prompt, completion).log_softmax(-1)
-        return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        return completion_logprobs(self._logits(prompt, completion), completion)
 
     # ----------------------------------------------------------------------------------------------------------
     # gradients and the update

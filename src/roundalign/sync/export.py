@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from roundalign.numerics.dtypes import LOW_PRECISION
+
 MODES = ("rne", "stochastic", "error-feedback")
-EXPORT_DTYPES = (torch.bfloat16, torch.float16)
+EXPORT_DTYPES = LOW_PRECISION  # what a served copy can be
 
 _STATE_FORMAT = 1  # bump when Exporter.state_dict() changes shape
 
@@ -72,7 +74,7 @@ def _check_master(master: torch.Tensor, what: str = "master") -> None:
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(master).__name__}")
     if master.dtype != torch.float32:
-        kind = "a low-precision" if master.dtype in (torch.bfloat16, torch.float16) else "a"
+        kind = "a low-precision" if master.dtype in LOW_PRECISION else "a"
         raise TypeError(
             f"{what} is {kind} {master.dtype} tensor; pass the fp32 master (the trainer's float32 weights): exporting "
             "from an already rounded or non-fp32 copy rounds twice or not at all"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from roundalign.probe.jsonl import EngineRollout, write_engine_logprobs
+from roundalign.rollouts import Rollout, write_engine_logprobs
 
 _KEYS = ("prompts", "responses", "attention_mask", "rollout_log_probs")
 
 
-def rollouts_from_batch(batch) -> list[EngineRollout]:
-    """One ``EngineRollout`` per row of verl's batch: unpadded prompt ids, response ids and the sampler's log-probs."""
+def rollouts_from_batch(batch) -> list[Rollout]:
+    """One ``Rollout`` per row of verl's batch: unpadded prompt ids, response ids and the sampler's log-probs."""
     missing = [k for k in _KEYS if k not in batch.keys()]
     if missing:
         hint = " (set actor_rollout_ref.rollout.calculate_log_probs=True)" if "rollout_log_probs" in missing else ""
@@ -32,7 +32,7 @@ def rollouts_from_batch(batch) -> list[EngineRollout]:
     out = []
     for row in range(prompts.shape[0]):
         keep_prompt, keep_response = mask[row, :n_prompt], mask[row, n_prompt:]
-        out.append(EngineRollout(prompt_token_ids=prompts[row][keep_prompt].tolist(),
+        out.append(Rollout(prompt_token_ids=prompts[row][keep_prompt].tolist(),
                                  token_ids=responses[row][keep_response].tolist(),
                                  logprobs=logprobs[row][keep_response].float().tolist()))
     return out

@@ -11,9 +11,10 @@ A dump that is silently half-read would produce confident, wrong metrics, so the
 is reported with its line number and what to fix, all bad lines at once, and nothing is skipped or truncated.
 Decisions (documented in docs/real-engines.md):
 
-- Keys: the three above are required. ``text``, ``prompt``, ``id`` and ``finish_reason`` may be present for the
-  user's own bookkeeping and are ignored. Any other key is an error: a misspelt key (``log_probs``) or a setting
-  the probe cannot honour (``temperature``) must not pass unnoticed.
+- Keys: the three above are required. ``finish_reason`` and ``text`` may be present and are kept in the record
+  (strings, or null); ``prompt`` and ``id`` may be present for the user's own bookkeeping and are ignored. Any
+  other key is an error: a misspelt key (``log_probs``) or a setting the probe cannot honour (``temperature``)
+  must not pass unnoticed.
 - Blank lines: allowed only at the end of the file (a trailing newline, an editor's extra lines). A blank line
   between records usually means a broken writer, so it is an error.
 - Ids are JSON integers (not floats, not booleans) in [0, vocab_size). Log-probs are JSON numbers, finite and
@@ -25,26 +26,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign.errors import UserError
+from roundalign.rollouts.record import Rollout
+
 REQUIRED_KEYS = ("prompt_token_ids", "token_ids", "logprobs")
-IGNORED_KEYS = frozenset({"text", "prompt", "id", "finish_reason"})
+KEPT_KEYS = ("finish_reason", "text")  # optional, carried into the Rollout
+IGNORED_KEYS = frozenset({"prompt", "id"})
 
 # A dump with thousands of bad lines is one mistake repeated; list this many, count the rest.
 MAX_REPORTED = 20
 
 
-@dataclass(frozen=True)
-class EngineRollout:
-    """One sampled completion and the engine's log-prob of each of its tokens."""
 
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-class JSONLError(ValueError):
+class JSONLError(UserError):
     """A malformed dump. ``errors`` holds (line number, message) for every bad line found."""
 
     def __init__(self, path: str | Path, errors: list[tuple[int, str]]):
@@ -94,7 +90,7 @@ def _check_logprobs(logprobs, n_tokens: int) -> str | None:
     return None
 
 
-def _parse_record(text: str, vocab_size: int, max_model_len: int) -> EngineRollout | str:
+def _parse_record(text: str, vocab_size: int, max_model_len: int) -> Rollout | str:
     """The record on one line, or a message saying what is wrong with it."""
     try:
         obj = json.loads(text)
@@ -105,9 +101,14 @@ def _parse_record(text: str, vocab_size: int, max_model_len: int) -> EngineRollo
     missing = [k for k in REQUIRED_KEYS if k not in obj]
     if missing:
         return f"missing key(s) {missing}; each record needs {list(REQUIRED_KEYS)}"
-    unknown = sorted(set(obj) - set(REQUIRED_KEYS) - IGNORED_KEYS)
+    unknown = sorted(set(obj) - set(REQUIRED_KEYS) - set(KEPT_KEYS) - IGNORED_KEYS)
     if unknown:
-        return f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)} and, ignored, {sorted(IGNORED_KEYS)}"
+        return (f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)}, optionally {list(KEPT_KEYS)} and, "
+                f"ignored, {sorted(IGNORED_KEYS)}")
+    for key in KEPT_KEYS:
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            return f'"{key}" must be a string or null, got {type(obj[key]).__name__}'
+
     problem = (
         _check_ids("prompt_token_ids", obj["prompt_token_ids"], vocab_size)
         or _check_ids("token_ids", obj["token_ids"], vocab_size)
@@ -121,14 +122,16 @@ def _parse_record(text: str, vocab_size: int, max_model_len: int) -> EngineRollo
             f"prompt ({len(obj['prompt_token_ids'])}) + completion ({len(obj['token_ids'])}) = {total} tokens, "
             f"longer than the model's context of {max_model_len}"
         )
-    return EngineRollout(
+    return Rollout(
         prompt_token_ids=list(obj["prompt_token_ids"]),
         token_ids=list(obj["token_ids"]),
         logprobs=[float(x) for x in obj["logprobs"]],
+        finish_reason=obj.get("finish_reason"),
+        text=obj.get("text"),
     )
 
 
-def read_engine_logprobs(path: str | Path, *, vocab_size: int, max_model_len: int) -> list[EngineRollout]:
+def read_engine_logprobs(path: str | Path, *, vocab_size: int, max_model_len: int) -> list[Rollout]:
     """Every record of a dump, in file order; a JSONLError listing each bad line if any line is bad."""
     for name, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
         if not _is_int(value) or value <= 0:
@@ -142,7 +145,7 @@ def read_engine_logprobs(path: str | Path, *, vocab_size: int, max_model_len: in
     if end == 0:
         raise JSONLError(path, [(1, "the file holds no records; expected one JSON object per line")])
 
-    records: list[EngineRollout] = []
+    records: list[Rollout] = []
     errors: list[tuple[int, str]] = []
     for number, raw in enumerate(raw_lines[:end], start=1):
         try:
@@ -163,18 +166,28 @@ def read_engine_logprobs(path: str | Path, *, vocab_size: int, max_model_len: in
     return records
 
 
-def write_engine_logprobs(path: str | Path, rollouts: list[EngineRollout]) -> None:
+def read_rollouts(path: str | Path, config) -> list[Rollout]:
+    """A dump's rollouts, checked against a model's vocabulary and context (its HF ``config``)."""
+    if not Path(path).is_file():
+        raise UserError(f"engine log-prob dump {str(path)!r} does not exist")
+    return read_engine_logprobs(path, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings)
+
+
+def write_engine_logprobs(path: str | Path, rollouts: list[Rollout]) -> None:
     """Write rollouts in the import format, one per line; floats are written so that they read back exactly."""
     lines = []
     for i, ro in enumerate(rollouts):
-        if not isinstance(ro, EngineRollout):
-            raise TypeError(f"rollouts[{i}] is a {type(ro).__name__}, not an EngineRollout")
+        if not isinstance(ro, Rollout):
+            raise TypeError(f"rollouts[{i}] is a {type(ro).__name__}, not a roundalign.rollouts.Rollout")
+        if ro.logprobs is None:
+            raise ValueError(f"rollouts[{i}] has no log-probs; a dump records the sampler's log-prob of every token")
         if len(ro.logprobs) != len(ro.token_ids):
             raise ValueError(f"rollouts[{i}]: {len(ro.logprobs)} log-probs for {len(ro.token_ids)} tokens")
         record = {
             "prompt_token_ids": [int(x) for x in ro.prompt_token_ids],
             "token_ids": [int(x) for x in ro.token_ids],
             "logprobs": [float(x) for x in ro.logprobs],
+            **{key: getattr(ro, key) for key in KEPT_KEYS if getattr(ro, key) is not None},
         }
         try:
             lines.append(json.dumps(record, allow_nan=False, separators=(", ", ": ")))

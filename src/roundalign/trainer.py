@@ -1,4 +1,4 @@
-"""The trainer side of the probe: teacher-forced log-probs of sampled tokens, as an RL trainer recomputes them.
+"""The trainer side: the HF model, and teacher-forced log-probs of sampled tokens as an RL trainer computes them.
 
 An RL trainer (verl, TRL, OpenRLHF) takes each rollout, prompt + completion, runs its HF model over it in one
 forward and reads the log-prob of every completion token from a full-vocabulary log-softmax of the bf16 logits.
@@ -17,62 +17,51 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import roundalign
 from roundalign.engine.loader import read_config
+from roundalign.errors import UserError
 from roundalign.profiles import Profile, get_profile
+from roundalign.rollouts import Rollout
+from roundalign.support import check_trainer_model
 
 
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled sequence: prompt ids, completion ids, and the engine's log-prob of each completion token."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return torch.tensor(self.prompt_token_ids + self.token_ids, dtype=torch.long)
-
-
-def load_trainer_model(path: str | Path):
-    """The trainer's bf16 HF model from a model directory, with clear errors for what users get wrong.
-
-    The directory and config checks are the engine loader's (``read_config``); the family check is the trainer's
-    own, since ``roundalign.apply`` supports more families (Qwen3-MoE) than the reference engine.
-    """
+def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """An HF causal LM from a model directory in ``dtype``, after the checks that give clear errors for what users
+    get wrong: the directory and config (the engine loader's ``read_config``) and what ``roundalign.apply`` can
+    patch (``roundalign.support``; it covers more families than the reference engine)."""
     import transformers
 
     path = Path(path)
-    config = read_config(path)
-    supported = roundalign.supported_model_types()
-    if config.model_type not in supported:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; roundalign supports {', '.join(supported)}"
-        )
+    check_trainer_model(read_config(path))
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except Exception as exc:  # missing or corrupt weights
-        raise ValueError(f"cannot load the weights in {str(path)!r}: {exc}") from exc
-    return model.eval().requires_grad_(False)
+        raise UserError(f"cannot load the weights in {str(path)!r}: {exc}") from exc
 
 
-def read_rollouts(path: str | Path, config) -> list[Rollout]:
-    """An engine's log-prob dump (``roundalign.probe.jsonl``) as rollouts, checked against the model's vocabulary
-    and context (``config``); a missing file is named as such."""
-    from roundalign.probe.jsonl import read_engine_logprobs
+def load_trainer_model(path: str | Path):
+    """The trainer's bf16 HF model for scoring: eval mode, no gradients."""
+    return load_model(path, torch.bfloat16).eval().requires_grad_(False)
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"engine log-prob dump {str(path)!r} does not exist")
-    dump = read_engine_logprobs(path, vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings)
-    return [Rollout(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)) for r in dump]
+
+def completion_logits(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """One teacher-forced forward over prompt + completion; the logits rows that predict each completion token."""
+    ids = torch.tensor([*prompt_ids, *completion_ids], device=next(model.parameters()).device)
+    return model(input_ids=ids[None]).logits[0, len(prompt_ids) - 1 : -1]
+
+
+def completion_logprobs(logits: torch.Tensor, completion_ids, with_entropy: bool = False):
+    """What a trainer computes from those rows: an fp32 full-vocabulary log-softmax, the log-prob of each completion
+    token, and (``with_entropy``) the entropy in nats of every row."""
+    logp = logits.float().log_softmax(-1)
+    picked = logp.gather(-1, torch.as_tensor(completion_ids, device=logp.device)[:, None])[:, 0]
+    if not with_entropy:
+        return picked
+    return picked, -(logp.exp() * logp).sum(-1)
 
 
 class TrainerSide:
@@ -99,15 +88,10 @@ class TrainerSide:
         """The completion tokens' fp32 log-probs (and entropies) from one teacher-forced forward of ``model``.
 
         Runs on the model's device; the results come back on the CPU."""
-        ids = rollout.ids.to(next(model.parameters()).device)
-        start = len(rollout.prompt_token_ids) - 1  # the logits row that predicts the first completion token
         with torch.no_grad():
-            logits = model(input_ids=ids[None]).logits[0, start:-1]
-        logp = logits.float().log_softmax(-1)  # what a trainer computes: fp32 log-softmax of the bf16 logits
-        picked = logp.gather(-1, ids[start + 1 :, None])[:, 0]
-        if not with_entropy:
-            return picked.cpu()
-        return picked.cpu(), -(logp.exp() * logp).sum(-1).cpu()
+            logits = completion_logits(model, rollout.prompt_token_ids, rollout.token_ids)
+        out = completion_logprobs(logits, rollout.token_ids, with_entropy)
+        return tuple(t.cpu() for t in out) if with_entropy else out.cpu()
 
     @staticmethod
     def decode_logprobs(model, rollout: Rollout) -> torch.Tensor:

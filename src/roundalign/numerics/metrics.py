@@ -30,6 +30,8 @@ import math
 import torch
 from torch import Tensor
 
+from roundalign.numerics.bf16 import bf16_ulp_distance
+
 # verl clamps log-ratios to [-20, 20] before exponentiating them (rollout_corr_helper.SAFETY_BOUND).
 SAFETY_BOUND = 20.0
 
@@ -217,34 +219,6 @@ def mismatch_metrics(train: list[Tensor], rollout: list[Tensor], fp32: list[Tens
         out["mismatch/error_rms_train"] = _f(e_train.square().mean().sqrt())
         out["mismatch/error_rms_rollout"] = _f(e_rollout.square().mean().sqrt())
     return out
-
-
-# -----------------------------------------------------------------------------
-# bf16 bit-level agreement of hidden states
-
-
-def bf16_order_key(x: Tensor) -> Tensor:
-    """Map bf16 bit patterns onto a monotone integer line: adjacent bf16 values differ by 1, +0 and -0 are 0."""
-    bits = x.view(torch.int16).to(torch.int32)  # sign-extended: negative patterns are the negative floats
-    magnitude = bits & 0x7FFF
-    return torch.where(bits < 0, -magnitude, magnitude)
-
-
-def bf16_ulp_distance(a: Tensor, b: Tensor) -> Tensor:
-    """Elementwise distance between two bf16 tensors in bf16 units in the last place (int64).
-
-    0 means equal values (+0 and -0 are equal), 1 means adjacent bf16 numbers; crossing zero counts every
-    representable number in between (the smallest positive and negative subnormals are 2 apart). Infinities sit
-    one step past the largest finite value. NaN has no place on the line and is an error.
-    """
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise TypeError(f"bf16_ulp_distance compares bf16 tensors, got {a.dtype} and {b.dtype}")
-    if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    for name, x in (("a", a), ("b", b)):
-        if torch.isnan(x).any():
-            raise ValueError(f"{name} holds NaN, which has no ulp distance; find where the NaN comes from first")
-    return (bf16_order_key(a) - bf16_order_key(b)).abs().to(torch.int64)
 
 
 def layer_agreement(trainer_hidden: list[Tensor], engine_hidden: list[Tensor]) -> list[dict]:

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from roundalign.numerics.metrics import SAFETY_BOUND
+
 IS_MODES = ("none", "token-tis", "seq-tis", "token-mask", "seq-mask", "geo-mask")
-SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are clamped to [-20, 20] before exp
 
 _TOKEN_MODES = ("token-tis", "token-mask")
 _TRUNCATE_MODES = ("token-tis", "seq-tis")
