@@ -1,4 +1,4 @@
-"""Independent test-only reference for the rounding formulas of shared/reference/engine-rounding.md, sections 1-2.
+"""Independent test-only reference for the rounding formulas of docs/engine-rounding.md, sections 1-2.
 
 Written from the fact sheet, not from ``roundalign.ops`` (which these tests never import here), in the plainest form:
 every value is upcast to fp32 with ``f(.)`` (exact for bf16), the arithmetic is fp32, and every ``r(.)`` of the

@@ -2,7 +2,7 @@
 under a roundalign Profile.
 
 This module deliberately does NOT use ``roundalign.ops`` or ``roundalign.patch``: it re-derives every
-element-wise region from the fact sheet ``shared/reference/engine-rounding.md`` (sections 1-4), reading only the
+element-wise region from ``docs/engine-rounding.md`` (sections 1-4), reading only the
 bf16 weights (a state dict) and the HF config. ``roundalign.profiles`` is used only as data (which rule applies
 to which region).
 

@@ -1,6 +1,6 @@
 """``roundalign.apply`` on an fp16 model: every patched region rounds to fp16 at the profile's rounding points.
 
-The references are written here from the formulas of shared/reference/engine-rounding.md (sections 1-2) with
+The references are written here from the formulas of docs/engine-rounding.md (sections 1-2) with
 ``r(.) = .to(torch.float16)``, in the plain style of tests/formulas.py (which holds the bf16 versions): every value is
 upcast to fp32 with ``f(.)``, the arithmetic is fp32, and every ``r(.)`` is an explicit cast. They never call
 ``roundalign.ops``; they are checked with ``torch.equal`` against the patched model's modules on random fp16 inputs

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from roundalign.errors import ExitStatus
 from roundalign.rl import compare
 from roundalign.rl.compare import Cell, GridError, load_runs, parse_grid, plan, run_grid, summarize
 
@@ -112,7 +113,7 @@ def test_plan_boolean_key_becomes_a_flag_and_names_are_filesystem_safe():
     assert [c.train_options() for c in cells] == [["--loss-on-served", "--lr=1e-5"],
                                                   ["--no-loss-on-served", "--lr=1e-5"]]
     assert [c.name for c in cells] == ["loss-on-served-true_lr-1e-5", "loss-on-served-false_lr-1e-5"]
-    with pytest.raises(ValueError, match="lr must be > 0, got -1e-05"):  # a negative value reaches validation
+    with pytest.raises(ValueError, match="--lr must be > 0, got -1e-05"):  # a negative value reaches validation
         plan(parse_grid(["lr=-1e-5"]), [])
     with pytest.raises(ValueError, match="on or off"):
         plan(parse_grid(["loss-on-served=maybe"]), ["--sync", "stochastic"])
@@ -124,8 +125,8 @@ def test_a_bad_cell_fails_the_whole_plan_before_anything_runs(tmp_path, fake_tra
     out = tmp_path / "grid"
     args = _cli_args("--grid", "sync=stochastic,rne", "seed=0,1", "--out", str(out), "--", "--loss-on-served")
     with pytest.raises(ValueError, match=r"grid cell sync-rne_seed-0 \(sync=rne seed=0\) is not a valid run: "
-                                         "loss_on_served with sync=rne"):
-        compare.run(args, console=None)
+                                         "--loss-on-served with --sync rne"):
+        _run(args)
     assert _calls(calls) == [] and not out.exists()
 
 
@@ -338,11 +339,16 @@ def _cli_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _run(args: argparse.Namespace) -> int:
+    """What ``roundalign compare`` does with parsed arguments: validate the config, then run it."""
+    return compare.run(compare.config_from_args(args).validate())
+
+
 def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monkeypatch):
     command, calls = fake_train
     monkeypatch.setattr(compare, "DEFAULT_COMMAND", tuple(command))
     out = tmp_path / "grid"
-    assert compare.run(_cli_args("--grid", "seed=0,1", "--out", str(out), "--", "--steps", "4"), console=None) == 0
+    assert _run(_cli_args("--grid", "seed=0,1", "--out", str(out), "--", "--steps", "4")) == 0
     grid = json.loads((out / "grid.json").read_text())
     assert grid == {"grid": {"seed": ["0", "1"]}, "fixed_args": ["--steps", "4"], "cells": ["seed-0", "seed-1"]}
     assert (out / "summary.md").is_file() and (out / "plots" / "overview.png").is_file()
@@ -351,17 +357,17 @@ def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monke
     plotted = []
     monkeypatch.setattr(compare_plots, "plot", lambda runs, out, smooth: plotted.append(len(runs)) or [])
     # --plots-only runs nothing; a failed cell sets the exit status but the rest is still summarized.
-    assert compare.run(_cli_args("--plots-only", "--out", str(out)), console=None) == 0
+    assert _run(_cli_args("--plots-only", "--out", str(out))) == 0
     assert len(_calls(calls)) == 2
     monkeypatch.setenv("FAKE_TRAIN_FAIL_SEEDS", "2")
     args = _cli_args("--grid", "seed=0,1,2", "--out", str(out), "--", "--steps", "4")
-    assert compare.run(args, console=None) == compare.CELLS_FAILED
+    assert _run(args) == ExitStatus.RUNS_FAILED
     assert "seed-2" in (out / "summary.md").read_text() and plotted == [2, 2]
     with pytest.raises(ValueError, match="--jobs must be >= 1"):
-        compare.run(_cli_args("--grid", "seed=5", "--jobs", "0", "--out", str(tmp_path / "other")), console=None)
+        _run(_cli_args("--grid", "seed=5", "--jobs", "0", "--out", str(tmp_path / "other")))
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="--grid is required"):
-        compare.run(_cli_args("--out", str(out)), console=None)
+        _run(_cli_args("--out", str(out)))
 
 
 def test_prefill_check_metrics_get_a_column_and_a_plot_only_when_logged(tmp_path):

@@ -23,7 +23,7 @@ from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
 from roundalign.probe.run import default_prompts
 from roundalign.profiles import PROFILES, Profile, get_profile
-from roundalign.rollouts import Rollout, write_engine_logprobs
+from roundalign.rollouts import Rollout, read_engine_logprobs, write_engine_logprobs
 from roundalign.trainer import TrainerSide, load_trainer_model
 from tests import models as test_models
 from tests.cpu_kernels import gemm_rows_matter
@@ -102,7 +102,10 @@ def test_sign_test_counts_closer_tokens():
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_fit_recovers_each_profile_from_its_prefill_dump(shipped, completions, profile, tmp_path):
-    dump = engine_dump(completions, profile)
+    # Through the dump file: fit takes what the reader returns (one Rollout type everywhere).
+    write_engine_logprobs(tmp_path / "dump.jsonl", engine_dump(completions, profile))
+    dump = read_engine_logprobs(tmp_path / "dump.jsonl", vocab_size=shipped.config.vocab_size,
+                                max_model_len=shipped.config.max_position_embeddings)
     result = fit(shipped, dump, screen_tokens=SCREEN)
     truth = result.space.key_of(profile)
     assert truth in result.equivalents, f"{profile}: fitted {result.best.candidate.label()}"
@@ -261,6 +264,8 @@ def test_cli_bad_input(tmp_path, capsys):
     ok.write_text('{"prompt_token_ids": [1], "token_ids": [2], "logprobs": [-1.0]}\n')
     assert main(["fit", "--engine-logprobs", str(ok), "--screen-tokens", "0"]) == 2
     assert "--screen-tokens must be positive" in capsys.readouterr().err
+    assert main(["fit", "--engine-logprobs", str(ok), "--exhaustive", "--screen-tokens", "64"]) == 2
+    assert "--screen-tokens and --prune-z would be ignored" in capsys.readouterr().err
     assert main(["fit", "--engine-logprobs", str(ok), "--device", "gpu0"]) == 2
     assert "is not a torch device" in capsys.readouterr().err
     if not torch.cuda.is_available():

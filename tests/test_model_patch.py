@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import roundalign
+from roundalign.errors import UnsupportedModel
 from tests.models import FAMILIES, build, config, loss_and_grads, token_ids
 
 
@@ -144,7 +145,7 @@ def test_unknown_profile_and_region():
 
 def test_unsupported_rope_type_raises():
     model = build("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(NotImplementedError, match="rope_type 'dynamic' is not supported"):
+    with pytest.raises(UnsupportedModel, match="rope_type .dynamic. is not supported"):
         roundalign.apply(model, "vllm")
 
 

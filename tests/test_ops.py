@@ -2,7 +2,7 @@
 
 Every exactness check is ``assert_bitwise_equal`` (same dtype and shape, same NaN positions, identical bit patterns
 elsewhere, so -0.0 != +0.0) against the independent reference in ``tests/formulas.py``, which is written from the
-fact sheet (shared/reference/engine-rounding.md s1-2) and never calls roundalign.ops.
+rounding formulas of docs/engine-rounding.md (s1-2) and never calls roundalign.ops.
 
 Inputs are odd shapes with adversarial values: exact bf16 ties (checked to really occur in the fp32 value each op
 rounds), subnormals, +-inf, NaN, magnitudes near 1e38 where x^2 overflows fp32, all-zero RMSNorm rows.

@@ -78,7 +78,7 @@ def test_blank_line_in_prompt_file(capsys, tmp_path, model_dir):
         (["--top-p", "1.5"], ["--top-p", "(0, 1]"]),
         (["--engine-profile", "vlm"], ["unknown profile 'vlm'", "vllm"]),
         (["--trainer-profiles", "hf,nope"], ["unknown profile 'nope'"]),
-        (["--backends", "tensorrt"], ["unknown backend", "kernels"]),
+        (["--backends", "tensorrt"], ["unknown engine backend", "kernels"]),
         (["--num-samples", "0"], ["--num-samples"]),
     ],
 )
@@ -113,3 +113,48 @@ def test_small_run_writes_report_rollouts_and_plots(capsys, tmp_path, model_dir)
     lines = (out / "rollouts.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[1])["prompt_token_ids"] == [5, 6]
     assert all(torch.tensor(json.loads(x)["logprobs"]).le(0).all() for x in lines)
+
+
+def test_sampling_options_with_an_imported_dump_are_errors(capsys, tmp_path, model_dir):
+    """--engine-logprobs replaces sampling: a sampling option beside it would be silently ignored, so it is refused."""
+    dump = tmp_path / "dump.jsonl"
+    dump.write_text(json.dumps({"prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -1.0]}) + "\n")
+    argv = ["--model", str(model_dir), "--engine-logprobs", str(dump), "--out", str(tmp_path / "o")]
+    err = _fails(capsys, [*argv, "--num-samples", "3", "--temperature", "0.5"], "--num-samples", "--temperature",
+                 "would be ignored")
+    assert "Traceback" not in err
+    _fails(capsys, [*argv, "--backends", "kernels"], "--backends")
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_inductor_backend_refuses_a_profile_it_does_not_implement(capsys, tmp_path, model_dir):
+    """The inductor backend runs vLLM's compiled code whatever the profile: under sglang it would be mislabelled."""
+    _fails(capsys, ["--model", str(model_dir), "--engine-profile", "sglang", "--backends", "inductor", "--out",
+                    str(tmp_path)], "inductor", "cannot serve profile 'sglang'", "kernels backend")
+
+
+def test_by_default_backends_follow_the_profile_rules_not_its_name(tmp_path, model_dir):
+    """A renamed copy of vllm's rules gets both backends; sglang's rules only the kernels backend."""
+    from roundalign.probe.run import ProbeConfig
+    from roundalign.profiles import get_profile
+
+    renamed = tmp_path / "mine.json"
+    renamed.write_text(json.dumps(get_profile("vllm").to_dict() | {"name": "mine"}))
+    assert ProbeConfig(model=str(model_dir), engine_profile=str(renamed)).validate().backends == ("kernels",
+                                                                                                   "inductor")
+    assert ProbeConfig(model=str(model_dir), engine_profile="sglang").validate().backends == ("kernels",)
+
+
+def test_unsupported_rope_type_is_bad_input_with_an_honest_hint(capsys, tmp_path):
+    """A RoPE type whose angles roundalign does not compute ends in exit 2 and one message, not a traceback; it does
+    not send the user to --engine-logprobs, which needs the same trainer-side patch."""
+    tiny_qwen3(seed=0, num_hidden_layers=1, vocab_size=64, hidden_size=64, intermediate_size=128,
+               rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    err = _fails(capsys, ["--model", str(tmp_path), "--out", str(tmp_path / "o")], "rope_type 'dynamic' is not "
+                 "supported", "cannot run on it")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_device_is_checked(capsys, tmp_path, model_dir):
+    _fails(capsys, ["--model", str(model_dir), "--device", "gpu0", "--out", str(tmp_path)], "is not a torch device")

@@ -47,9 +47,18 @@ def test_reads_records_in_order(tmp_path):
     got = _read(path)
     assert got == [
         Rollout([1, 2, 3], [4, 299], [-0.5, -0.0]),
-        Rollout([0], [7, 8, 9], [-1.0, -2.25, -1e-9]),
+        Rollout([0], [7, 8, 9], [-1.0, -2.25, -1e-9], text="abc"),  # the sampler's text is kept, not dropped
     ]
     assert all(isinstance(x, float) for x in got[1].logprobs)
+
+
+def test_finish_reason_and_text_round_trip_and_must_be_strings(tmp_path):
+    rollout = Rollout([1, 2], [3, 4], [-0.25, -1.5], finish_reason="stop", text="hi")
+    write_engine_logprobs(tmp_path / "out.jsonl", [rollout])
+    assert _read(tmp_path / "out.jsonl") == [rollout]
+    path = _write(tmp_path, _line(finish_reason=3))
+    with pytest.raises(JSONLError, match=r'"finish_reason" must be a string or null, got int'):
+        _read(path)
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
+from roundalign.numerics.attribution import region_share
 from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import (
     SCHEMA,
     build_report,
     load_report,
-    region_share,
     validate_report,
     write_report,
 )

@@ -158,16 +158,17 @@ def test_non_finite_gradient_names_the_tensor(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--sync", "rne", "--loss-on-served"], "loss_on_served with sync=rne changes nothing"),
+        (["--sync", "rne", "--loss-on-served"], "--loss-on-served with --sync rne changes nothing"),
         (["--loss-type", "reinforce", "--inner-epochs", "2"], "plain REINFORCE has no ratio"),
         (["--loss-type", "reinforce", "--clip-eps", "0.3"], "plain REINFORCE does not clip"),
-        (["--group-size", "1"], "group_size must be an int >= 2"),
+        (["--group-size", "1"], "--group-size must be an int >= 2"),
         (["--temperature", "0"], "greedy rollouts make every completion of a group identical"),
         (["--rollout-is", "none", "--rollout-is-threshold", "2"], "none"),
         (["--rollout-is", "token-mask", "--rollout-is-threshold", "2_1"], "token-mask"),
-        (["--trainer-profile", "nope"], "trainer_profile"),
+        (["--trainer-profile", "nope"], "--trainer-profile"),
+        (["--engine-profile", "sglang", "--engine-backend", "inductor"], "cannot serve profile 'sglang'"),
         (["--dtype", "float16", "--engine-backend", "inductor"], "kernels backend"),
-        (["--optimizer", "sgd", "--betas", "0.8,0.9"], "betas apply to adamw only"),
+        (["--optimizer", "sgd", "--betas", "0.8,0.9"], "--betas apply to --optimizer adamw only"),
     ],
 )
 def test_invalid_combinations_are_rejected_before_any_work(tmp_path, capsys, argv, message):

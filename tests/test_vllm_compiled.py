@@ -2,7 +2,7 @@
 roundalign rules that claim to describe it.
 
 vLLM's default path traces each layer's ``forward_native`` into Inductor, which drops explicit bf16 casts inside a
-fused kernel (``emulate_precision_casts=False``; shared/reference/engine-rounding.md s5). The fact sheet derived the
+fused kernel (``emulate_precision_casts=False``; docs/engine-rounding.md s5). docs/engine-rounding.md derives the
 ``vllm`` profile's formulas from that rule without running it; here it runs. roundalign.engine.native restates
 vLLM's code (sources cited there); it is the engine's inductor backend, run here on an HF model's weights through
 tests/vllm_native.py. Every check compares bits:

@@ -1,7 +1,7 @@
 """A vLLM-structured Qwen3 for the compiled-engine measurements, and the rounding-rule references it is compared with.
 
 vLLM's default V1 path (torch.compile + Inductor, custom ops off) traces each layer's ``forward_native`` into Inductor
-graphs split at the attention op (shared/reference/engine-rounding.md s4.1, s5). The restated vLLM code (RMSNorm,
+graphs split at the attention op (docs/engine-rounding.md s4.1, s5). The restated vLLM code (RMSNorm,
 SiluAndMul, RotaryEmbedding and its cos/sin cache, the decoder structure; sources and commits in its docstring) and
 the piecewise backend live in the engine, ``roundalign.engine.native`` and ``roundalign.engine.compile``; this module
 runs that model on an HF model's weights one prompt at a time (``VllmQwen3``), with a stateless attention op that can

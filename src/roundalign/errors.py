@@ -26,10 +26,21 @@ class ExitStatus(enum.IntEnum):
     MISSING_DEPENDENCY = 6  # an optional extra is not installed; the message says which ``pip install``
 
 
-class UserError(ValueError):
-    """Bad input: the message names the problem and the fix. ``status`` is the exit status the CLI uses."""
+class Failure(Exception):
+    """An error whose message says all the user needs: the command line prints it on one line, without a
+    traceback, and exits with ``status``."""
 
-    status: ExitStatus = ExitStatus.USAGE
+    status: ExitStatus = ExitStatus.BUG
+
+
+class UserError(Failure, ValueError):
+    """Bad input: the message names the problem and the fix."""
+
+    status = ExitStatus.USAGE
+
+
+class MissingFile(UserError, FileNotFoundError):
+    """A file or directory the user named does not exist (also a ``FileNotFoundError``)."""
 
 
 class UnsupportedModel(UserError):

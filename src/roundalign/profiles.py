@@ -2,10 +2,10 @@
 
 A ``Profile`` names one rounding rule per element-wise region (RMSNorm, Qwen3's q/k norm, residual add,
 RoPE, SwiGLU, MoE experts' SwiGLU). The rules are small enums, each documented with its formula in the
-notation of ``shared/reference/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even),
+notation of ``docs/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even),
 everything inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
 
-The named profiles below are read off section 2 of that fact sheet, each with the engine versions it covers
+The named profiles below are read off section 2 of that page, each with the engine versions it covers
 and its source. ``roundalign.apply(model, profile)`` turns a profile into patched modules; nothing else in the
 package branches on engine names.
 """
@@ -17,6 +17,8 @@ import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from roundalign.errors import UserError
 
 
 class _Rule(str, enum.Enum):
@@ -33,7 +35,7 @@ class _Rule(str, enum.Enum):
             return cls(value)
         except ValueError:
             choices = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"unknown {region} rule {value!r}; choose one of {choices}") from None
+            raise UserError(f"unknown {region} rule {value!r}; choose one of {choices}") from None
 
 
 class RMSNormRule(_Rule):
@@ -76,6 +78,14 @@ class CosSinDtype(_Rule):
     FP32 = "fp32"  # c = cos(theta) kept in fp32
 
 
+class RopeAngles(_Rule):
+    """Where RoPE's angles come from. Engines compute inv_freq in fp32 from the config at load; HF's rotary module
+    reads its own inv_freq buffer, which ``.to(bf16)`` rounds (verl casts its actor that way)."""
+
+    FP32 = "fp32"  # theta = pos * inv_freq with inv_freq computed in fp32 from the config: every engine
+    MODULE = "module"  # theta = pos * the module's inv_freq buffer, in whatever dtype the model holds it: stock HF
+
+
 class SwiGLURule(_Rule):
     ROUND_SILU = "round_silu"  # HF, vLLM CUDA: r(r(silu(g)) * u)
     ONCE = "once"  # fused kernels, Inductor: r(silu(g) * u)
@@ -99,7 +109,7 @@ class RopeRule:
             return value
         parts = str(value).split("/")
         if len(parts) != 2:
-            raise ValueError(f"rope rule {value!r} must look like 'bf16/once' (cos/sin dtype / rounding)")
+            raise UserError(f"rope rule {value!r} must look like 'bf16/once' (cos/sin dtype / rounding)")
         return cls(*parts)
 
     def __str__(self) -> str:
@@ -128,6 +138,9 @@ class HeadDimRope:
 
 
 REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
+# Everything that decides a profile's numerics: the regions' rounding rules and where RoPE's angles come from. Two
+# profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
+RULES = (*REGIONS, "rope_angles")
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,11 @@ class Profile:
             calls its CUDA ``silu_and_mul``).
         engines: the engine builds and flags the profile describes.
         source: where each rule was read.
+        rope_angles: ``fp32`` (default: inv_freq from the config in fp32, as engines compute it) or ``module``
+            (the rotary module's own buffer, as stock HF reads it).
+
+    Names are labels: what a profile does is its ``rules()``, and everything that branches on a profile reads
+    them (``apply`` leaves a model untouched when they are stock HF's, whatever the profile is called).
     """
 
     name: str
@@ -156,6 +174,7 @@ class Profile:
     expert_swiglu: SwiGLURule
     engines: str = ""
     source: str = field(default="", compare=False)
+    rope_angles: RopeAngles = RopeAngles.FP32
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -168,7 +187,20 @@ class Profile:
             set_(self, "rope", RopeRule.parse(self.rope))
         set_(self, "swiglu", SwiGLURule.parse(self.swiglu, "swiglu"))
         set_(self, "expert_swiglu", SwiGLURule.parse(self.expert_swiglu, "expert_swiglu"))
+        set_(self, "rope_angles", RopeAngles.parse(self.rope_angles, "rope_angles"))
 
+    def rules(self) -> tuple:
+        """What decides this profile's numerics (``RULES``), without its name, engines or source."""
+        return tuple(getattr(self, k) for k in RULES)
+
+    def same_rules(self, other: str | Profile) -> bool:
+        """Whether ``other`` (a profile or a profile name) computes what this one does."""
+        return self.rules() == get_profile(other).rules()
+
+    @property
+    def is_stock_hf(self) -> bool:
+        """True when this profile's rules are stock HF's: ``apply`` then leaves every module as it is."""
+        return self.same_rules(PROFILES["hf"])
     def rope_for(self, head_dim: int) -> RopeRule:
         """The RoPE rule a model with this head_dim gets."""
         return self.rope.for_head_dim(head_dim) if isinstance(self.rope, HeadDimRope) else self.rope
@@ -192,7 +224,7 @@ class Profile:
             if isinstance(rope, HeadDimRope)
             else str(rope)
         )
-        out = {k: str(getattr(self, k)) for k in ("name", *REGIONS, "engines", "source")}
+        out = {k: str(getattr(self, k)) for k in ("name", *RULES, "engines", "source")}
         out["rope"] = rope_json
         return out
 
@@ -200,10 +232,10 @@ class Profile:
     def from_dict(cls, data: dict) -> Profile:
         missing = [k for k in ("name", *REGIONS) if k not in data]
         if missing:
-            raise ValueError(f"profile is missing field(s) {missing}; a profile file needs name and {REGIONS}")
-        extra = set(data) - {"name", *REGIONS, "engines", "source"}
+            raise UserError(f"profile is missing field(s) {missing}; a profile file needs name and {REGIONS}")
+        extra = set(data) - {"name", *RULES, "engines", "source"}
         if extra:
-            raise ValueError(f"profile has unknown field(s) {sorted(extra)}")
+            raise UserError(f"profile has unknown field(s) {sorted(extra)}")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -252,7 +284,7 @@ def formula(region: str, rule) -> str:
     return _FORMULAS[(region, str(rule))]
 
 
-_ER = "shared/reference/engine-rounding.md"
+_ER = "docs/engine-rounding.md"
 _HF = dict(
     rms_norm="round_before_weight",
     qk_norm="round_before_weight",
@@ -268,6 +300,7 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="hf",
             **_HF,
+            rope_angles="module",
             engines="HF transformers eager, bf16 params (4.51-5.x); apply() leaves the model untouched",
             source=f"{_ER} s3: modeling_{{llama,qwen2,qwen3,qwen3_moe}}.py RMSNorm, decoder layer, rotary, MLP",
         ),
@@ -357,16 +390,16 @@ def get_profile(name: str | Path | Profile) -> Profile:
         return name
     if isinstance(name, Path) or (isinstance(name, str) and name.endswith(".json")):
         if not Path(name).is_file():
-            raise ValueError(f"profile file {str(name)!r} does not exist (a built-in name, or a .json file written "
+            raise UserError(f"profile file {str(name)!r} does not exist (a built-in name, or a .json file written "
                              "by Profile.save or roundalign fit)")
         try:
             return Profile.load(name)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"profile file {str(name)!r} is not a valid profile: {exc}") from None
+            raise UserError(f"profile file {str(name)!r} is not a valid profile: {exc}") from None
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
             "(or pass a Profile, e.g. Profile.load(path))"
         ) from None

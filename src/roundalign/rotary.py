@@ -38,18 +38,20 @@ class AlignedRotary:
     """Mixin for HF ``*RotaryEmbedding``: returns (cos, sin) from the fp32 engine inv_freq, in the profile's dtype."""
 
     _roundalign_rope: RopeRule
-    _roundalign_inv_freq: torch.Tensor
-    _roundalign_scaling: float
+    _roundalign_inv_freq: torch.Tensor | None  # None: the module's own inv_freq (rope_angles=module)
+    _roundalign_scaling: float | None
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        inv_freq = self._roundalign_inv_freq
-        if inv_freq.device != x.device:
+        inv_freq, scaling = self._roundalign_inv_freq, self._roundalign_scaling
+        if inv_freq is None:  # rope_angles=module: HF's buffer, in the dtype the model holds it, upcast as HF does
+            inv_freq, scaling = self.inv_freq.float(), self.attention_scaling
+        elif inv_freq.device != x.device:
             # Kept out of the buffers on purpose (see module docstring); follow the activations' device lazily.
             inv_freq = self._roundalign_inv_freq = inv_freq.to(x.device)
         freqs = position_ids[..., None].float() * inv_freq  # theta, fp32: (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self._roundalign_scaling
-        sin = emb.sin() * self._roundalign_scaling
+        cos = emb.cos() * scaling
+        sin = emb.sin() * scaling
         # In a Carry, so that FSDP2's forward-input cast cannot round c32 on its way into the layers.
         if self._roundalign_rope.cos_sin is CosSinDtype.BF16:
             low = low_dtype(x)  # the model's 16-bit dtype, or autocast's for fp32 parameters
@@ -57,4 +59,5 @@ class AlignedRotary:
         return Carry(cos, sin)  # c32, the fp32 cache of FlashInfer / SGLang / TE
 
     def extra_repr(self) -> str:
-        return f"rope={self._roundalign_rope}, inv_freq=fp32 from config"
+        angles = "the module's buffer" if self._roundalign_inv_freq is None else "fp32 from config"
+        return f"rope={self._roundalign_rope}, inv_freq={angles}"

@@ -29,6 +29,17 @@ from roundalign.rollouts import Rollout
 from roundalign.support import check_trainer_model
 
 
+def check_device(device: str) -> torch.device:
+    """``device`` (``--device``) as a torch.device that exists here; a UserError naming the fix otherwise."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise UserError(f"--device {device!r} is not a torch device ({exc}); use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for a GPU, but torch sees none here; use --device cpu")
+    return dev
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16):
     """An HF causal LM from a model directory in ``dtype``, after the checks that give clear errors for what users
     get wrong: the directory and config (the engine loader's ``read_config``) and what ``roundalign.apply`` can
@@ -73,6 +84,10 @@ class TrainerSide:
                              "(roundalign.revert(model))")
         self.model = model.eval().requires_grad_(False)
         self._fp32 = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @contextlib.contextmanager
     def patched(self, profile: str | Profile):
@@ -135,13 +150,13 @@ class TrainerSide:
 
         def hook(_module, _args, output):
             out = output[0] if isinstance(output, tuple) else output
-            seen.append(out[0].detach().clone())
+            seen.append(out[0].detach().cpu().clone())
 
         with self.patched(profile) as model:
             handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
             try:
                 with torch.no_grad():
-                    model(input_ids=torch.tensor([token_ids], dtype=torch.long))
+                    model(input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device))
             finally:
                 for h in handles:
                     h.remove()

@@ -17,8 +17,9 @@ It is a reference for tests, demos and experiments. At scale, sample with vLLM o
 log-probs with ``roundalign probe --engine-logprobs dump.jsonl``. See docs/engine.md.
 """
 
-from roundalign.engine.engine import BACKENDS, Engine
+from roundalign.engine.engine import BACKENDS, Engine, backends_for, check_backend
 from roundalign.engine.loader import ROUNDINGS, SUPPORTED_FAMILIES
 from roundalign.engine.sampling import SamplingParams
 
-__all__ = ["BACKENDS", "ROUNDINGS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams"]
+__all__ = ["BACKENDS", "ROUNDINGS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams", "backends_for",
+           "check_backend"]

@@ -26,10 +26,32 @@ from roundalign.engine.loader import check_dtype, head_dim, load
 from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
 from roundalign.engine.sampling import SamplingParams, process, request_generators, sample, token_logprobs
+from roundalign.errors import UserError
 from roundalign.profiles import get_profile
 from roundalign.rollouts import Rollout
 
 BACKENDS = ("kernels", "inductor")
+# The inductor backend runs vLLM's model code compiled piecewise, so it rounds where the compiler does: the rules of
+# the ``vllm`` profile (two of them measured, docs/qk-norm.md). It implements that profile and no other; the
+# kernels backend implements every profile by its formulas.
+INDUCTOR_PROFILE = "vllm"
+
+
+def backends_for(profile) -> tuple[str, ...]:
+    """The backends that implement ``profile`` (by its rules, not its name)."""
+    return BACKENDS if get_profile(profile).same_rules(INDUCTOR_PROFILE) else ("kernels",)
+
+
+def check_backend(backend: str, profile) -> None:
+    """Refuse an unknown backend, or one that does not implement ``profile`` (it would mislabel its numerics)."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    profile = get_profile(profile)
+    if backend not in backends_for(profile):
+        raise UserError(
+            f"the {backend} backend runs vLLM's compiled code, which rounds where the {INDUCTOR_PROFILE!r} profile "
+            f"says; it cannot serve profile {profile.name!r}, whose rules differ. Use the kernels backend for it"
+        )
 _PIECEWISE = []
 
 
@@ -65,8 +87,7 @@ class Engine:
     def __init__(self, model_or_path, profile="vllm", backend: str = "kernels", *, tokenizer=None,
                  dtype: torch.dtype = torch.bfloat16):
         self.profile = get_profile(profile)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        check_backend(backend, self.profile)
         self.backend = backend
         self.dtype = check_dtype(dtype)
         self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer, dtype)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from roundalign.errors import MissingFile, UserError
 from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.support import ENGINE_FAMILIES, check_engine_model, head_dim
 from roundalign.sync import MODES as EXPORT_MODES
@@ -108,7 +109,7 @@ class _Body(nn.Module):
 def check_dtype(dtype) -> torch.dtype:
     """The engine's served dtype: bf16 or fp16, anything else is a ValueError that names the choices."""
     if dtype not in LOW_PRECISION:
-        raise ValueError(f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
+        raise UserError(f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
                          "(an fp16 engine, for an fp16 trainer)")
     return dtype
 
@@ -150,13 +151,13 @@ class ServedWeights(nn.Module):
         kept across calls (its generators and residuals are this served copy's state): the engine-side Fair Cast,
         for frameworks that hand the engine fp32 tensors and let it cast them."""
         if rounding not in ROUNDINGS:
-            raise ValueError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
+            raise UserError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_weights needs a dict of HF-named tensors (a state_dict), got {type(state_dict)}")
         expected = self.expected()
         unknown = sorted(set(state_dict) - set(expected))
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"unknown tensor name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the served copy has "
                 f"{len(expected)} tensors named as in HF's {type(self).__name__} state_dict (e.g. "
                 "'model.layers.0.self_attn.q_proj.weight'); strip wrapper prefixes such as 'module.' or '_orig_mod.'"
@@ -164,18 +165,18 @@ class ServedWeights(nn.Module):
         optional = {"lm_head.weight"} if self.tied else set()
         missing = sorted(set(expected) - set(state_dict) - optional)
         if missing:
-            raise ValueError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            raise UserError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                              "load_weights replaces the whole served copy, pass every tensor")
         for name, src in state_dict.items():
             dst = expected[name]
             if not isinstance(src, torch.Tensor) or not src.is_floating_point():
                 raise TypeError(f"tensor {name!r} must be a floating-point torch.Tensor, got {_describe(src)}")
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, the model needs {tuple(dst.shape)}")
+                raise UserError(f"tensor {name!r} has shape {tuple(src.shape)}, the model needs {tuple(dst.shape)}")
         if self.tied and "lm_head.weight" in state_dict and "model.embed_tokens.weight" in state_dict:
             a, b = state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]
             if a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
-                raise ValueError("tie_word_embeddings is set but 'lm_head.weight' differs from "
+                raise UserError("tie_word_embeddings is set but 'lm_head.weight' differs from "
                                  "'model.embed_tokens.weight'; pass one of them, or untie the config")
         served = {}
         if rounding != "rne":
@@ -200,7 +201,7 @@ def _check_overflow(name: str, src: torch.Tensor, served: torch.Tensor) -> None:
     bad = torch.isinf(served) & torch.isfinite(src.detach().cpu())
     if bad.any():
         worst = src.detach().cpu()[bad].abs().max().item()
-        raise ValueError(
+        raise UserError(
             f"tensor {name!r} has {int(bad.sum())} value(s) (largest magnitude {worst:.6g}) beyond "
             f"{str(served.dtype).replace('torch.', '')}'s largest finite value "
             f"{torch.finfo(served.dtype).max:.6g}: they would be served as inf. Serve this model in bf16 "
@@ -251,15 +252,15 @@ def read_config(path: Path):
     import transformers
 
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist; pass a directory written by "
+        raise MissingFile(f"model directory {str(path)!r} does not exist; pass a directory written by "
                                 "save_pretrained (config.json + *.safetensors)")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} has no config.json; pass a directory written by save_pretrained")
+        raise UserError(f"{str(path)!r} has no config.json; pass a directory written by save_pretrained")
     try:
         json.loads((path / "config.json").read_text())
         return transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"cannot read {str(path / 'config.json')!r} ({e}); re-save the model with "
+        raise UserError(f"cannot read {str(path / 'config.json')!r} ({e}); re-save the model with "
                          "save_pretrained") from e
 
 
@@ -269,14 +270,14 @@ def _read_safetensors(path: Path) -> dict:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {str(path)!r}; save the model with "
+        raise UserError(f"no *.safetensors weights in {str(path)!r}; save the model with "
                          "save_pretrained(..., safe_serialization=True), the default")
     state = {}
     for f in files:
         try:
             state.update(load_file(f))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ValueError(f"corrupt or unreadable weights file {str(f)!r} ({e}); re-save the model") from e
+            raise UserError(f"corrupt or unreadable weights file {str(f)!r} ({e}); re-save the model") from e
     return state
 
 
@@ -292,7 +293,7 @@ def read_tokenizer(path: Path):
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (ValueError, OSError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot load the tokenizer in {str(path)!r} ({e}); fix or remove its tokenizer files, "
+        raise UserError(f"cannot load the tokenizer in {str(path)!r} ({e}); fix or remove its tokenizer files, "
                          "or pass tokenizer= explicitly") from e
 
 
@@ -304,7 +305,7 @@ def _read_generation_config(path: Path):
     try:
         return transformers.GenerationConfig.from_pretrained(path)
     except (ValueError, OSError) as e:
-        raise ValueError(f"cannot read {str(path / 'generation_config.json')!r} ({e})") from e
+        raise UserError(f"cannot read {str(path / 'generation_config.json')!r} ({e})") from e
 
 
 def _eos_ids(config, generation_config) -> frozenset[int]:

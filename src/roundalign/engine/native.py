@@ -1,7 +1,7 @@
 """vLLM's ``forward_native`` element-wise ops and its decoder structure: the engine's ``inductor`` backend.
 
 vLLM's default V1 path (torch.compile + Inductor, custom ops off) traces each layer's ``forward_native`` into
-Inductor graphs split at the attention op (shared/reference/engine-rounding.md s4.1, s5). vLLM itself needs CUDA,
+Inductor graphs split at the attention op (docs/engine-rounding.md s4.1, s5). vLLM itself needs CUDA,
 so this module restates the few lines that matter, in our own words, from the vLLM source:
 
 - RMSNorm.forward_native, with and without residual: ``vllm/model_executor/layers/layernorm.py`` @ 00cba797bda4

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine.native import cos_sin_cache
+from roundalign.errors import MissingFile, UserError
 from roundalign.ops import rope, swiglu
 
 FORMAT = "roundalign-fingerprint-battery"
@@ -257,12 +258,12 @@ def model_constants(model: str | Path) -> dict:
         path = path.parent if path.is_file() and path.name == "config.json" else path
         name = path.resolve().name
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model}: no config.json in {path}; give a local model directory (the one "
+        raise MissingFile(f"--model {model}: no config.json in {path}; give a local model directory (the one "
                                 "from_pretrained loads) or 'shipped' for roundalign's tiny-qwen3")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # unknown model_type, bad JSON, transformers' validators (their own error classes)
-        raise ValueError(f"--model {model}: transformers cannot read {path / 'config.json'}: {exc}") from exc
+        raise UserError(f"--model {model}: transformers cannot read {path / 'config.json'}: {exc}") from exc
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta if theta is not None else getattr(config, "rope_theta", None)
@@ -271,11 +272,11 @@ def model_constants(model: str | Path) -> dict:
              "num_attention_heads": getattr(config, "num_attention_heads", None)}
     missing = [k for k, v in found.items() if v is None]
     if missing:
-        raise ValueError(f"--model {model}: its config ({config.model_type}) has no {', '.join(missing)}; the "
+        raise UserError(f"--model {model}: its config ({config.model_type}) has no {', '.join(missing)}; the "
                          "battery needs them (a decoder LM with RMSNorm and RoPE: Llama, Qwen2, Qwen3, Qwen3-MoE)")
     head_dim = getattr(config, "head_dim", None) or found["hidden_size"] // found["num_attention_heads"]
     if head_dim % 2:
-        raise ValueError(f"--model {model}: head_dim {head_dim} is odd; RoPE rotates pairs")
+        raise UserError(f"--model {model}: head_dim {head_dim} is odd; RoPE rotates pairs")
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
     moe = (getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)) if experts \
         else None
@@ -316,14 +317,14 @@ def save_battery(path: str | Path, seed: int = 0, model: dict | None = None) -> 
 def check_battery(battery: dict, where: str) -> None:
     """Raise ValueError unless ``battery`` is this version's battery, unmodified."""
     if not isinstance(battery, dict) or battery.get("format") != FORMAT:
-        raise ValueError(f"{where} does not hold a roundalign fingerprint battery; make one with "
+        raise UserError(f"{where} does not hold a roundalign fingerprint battery; make one with "
                          "`roundalign fingerprint make --out battery.pt`")
     if battery.get("version") not in VERSIONS:
-        raise ValueError(f"{where} holds battery version {battery.get('version')}, this roundalign reads versions "
+        raise UserError(f"{where} holds battery version {battery.get('version')}, this roundalign reads versions "
                          f"{', '.join(map(str, VERSIONS))}: make a new battery (`roundalign fingerprint make`) and "
                          "run it again")
     if battery_id(battery) != battery.get("id"):
-        raise ValueError(f"{where}: the battery's tensors or constants do not match its id (modified or "
+        raise UserError(f"{where}: the battery's tensors or constants do not match its id (modified or "
                          "truncated); make a new battery with `roundalign fingerprint make` and run it again")
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+
+from roundalign.errors import ExitStatus, MissingFile, UserError
 
 STATUS_STYLE = {"determined": "green", "indistinguishable": "yellow", "ambiguous": "yellow", "no_rule": "red"}
 
@@ -45,40 +48,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(round_at_attention or never_round, e.g. from `roundalign fit`)")
 
 
-def run(args: argparse.Namespace, console) -> int:
-    if args.fingerprint_command == "make":
-        return _make(args, console)
-    if args.fingerprint_command == "runner":
-        return _runner(args, console)
-    return _read(args, console)
+@dataclass(frozen=True)
+class FingerprintConfig:
+    """``roundalign fingerprint``'s options: the action (make, runner, read) and that action's own options."""
+
+    action: str
+    out: str | None = None  # make, runner
+    json: bool = False  # make, read
+    model: str | None = None  # make
+    results: str | None = None  # read
+    profile_out: tuple[str, str] | None = None  # read
+    residual: str | None = None  # read
+
+    def validate(self) -> FingerprintConfig:
+        if self.action not in ("make", "runner", "read"):
+            raise UserError(f"unknown fingerprint action {self.action!r}; choose make, runner or read")
+        if self.action == "read":
+            if not Path(self.results).is_file():
+                raise MissingFile(f"results file {self.results!r} does not exist")
+            if self.residual is not None and self.profile_out is None:
+                raise UserError("--residual only fills in the profile that --profile-out writes; add --profile-out "
+                                "MODE PATH")
+        elif Path(self.out).is_dir():
+            name = "battery.pt" if self.action == "make" else "run_fingerprint.py"
+            raise UserError(f"--out {self.out} is a directory; give a file name such as {Path(self.out) / name}")
+        return self
+
+
+def config_from_args(args: argparse.Namespace) -> FingerprintConfig:
+    return FingerprintConfig(
+        action=args.fingerprint_command, out=getattr(args, "out", None), json=getattr(args, "json", False),
+        model=getattr(args, "model", None), results=getattr(args, "results", None),
+        profile_out=tuple(args.profile_out) if getattr(args, "profile_out", None) else None,
+        residual=getattr(args, "residual", None),
+    )
+
+
+def run(config: FingerprintConfig) -> int:
+    from roundalign.console import make_console
+
+    console = None if config.json else make_console()
+    if config.action == "make":
+        return _make(config, console)
+    if config.action == "runner":
+        return _runner(config, make_console())
+    return _read(config, console)
 
 
 def _make(args, console) -> int:
     from roundalign.fingerprint.battery import describe, model_constants, save_battery
 
-    if Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a directory; give a file name such as {Path(args.out) / 'battery.pt'}")
     model = model_constants(args.model) if args.model else None
     battery = save_battery(args.out, model=model)
     rows = describe(battery)
     if args.json:
         print(json.dumps({"path": str(args.out), "id": battery["id"], "version": battery["version"],
                           "model": battery["model"], "cases": rows}, indent=2))
-        return 0
+        return ExitStatus.OK
     from rich.table import Table
 
     shaped = f"; model cases for {_model_label(model)}" if model else ""
     if model and model["rope_type"] != "default":  # the battery has plain RoPE only (docs/fingerprint.md)
         shaped += f" (its rope_type {model['rope_type']} is tested as plain RoPE at its theta)"
-    table = Table(title=f"fingerprint battery v{battery['version']} -> {args.out}",
-                  caption=f"id {battery['id'][:16]}...{shaped}; next: roundalign fingerprint runner --out "
-                          "run_fingerprint.py")
+    table = Table(title=f"fingerprint battery v{battery['version']}: {len(rows)} cases written to {args.out}",
+                  caption=f"battery id {battery['id'][:16]}...{shaped}\nnext: `roundalign fingerprint runner` writes "
+                          "the script that runs these cases on the engine's machine")
     for col in ("case", "region", "inputs", "separates"):
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(row["case"], row["region"], row["inputs"], row["separates"])
     console.print(table)
-    return 0
+    return ExitStatus.OK
 
 
 def runner_source() -> Path:
@@ -87,24 +127,18 @@ def runner_source() -> Path:
 
 def _runner(args, console) -> int:
     out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file name such as {out / 'run_fingerprint.py'}")
     shutil.copyfile(runner_source(), out)
     console.print(f"wrote {out}. On the engine's machine, in the engine's Python:\n"
                   f"  python {out.name} battery.pt --engine vllm --out results.pt   (or --engine sglang)\n"
                   f"(a dry run on any machine, vLLM's native code: python {out.name} battery.pt --engine native)\n"
                   "then bring results.pt back: roundalign fingerprint read results.pt")
-    return 0
+    return ExitStatus.OK
 
 
 def _read(args, console) -> int:
     from roundalign.fingerprint.reader import load_results, read_results
 
     path = Path(args.results)
-    if not path.is_file():
-        raise FileNotFoundError(f"results file {str(path)!r} does not exist")
-    if args.residual is not None and args.profile_out is None:
-        raise ValueError("--residual only fills in the profile that --profile-out writes; add --profile-out MODE PATH")
     entries = read_results(load_results(path))
     written = _profile_out(args, entries) if args.profile_out else None
     if args.json:
@@ -112,7 +146,7 @@ def _read(args, console) -> int:
                 | {"regions": {n: r.to_dict() for n, r in e["regions"].items()}, "model": _model_json(e["model"])}
                 for e in entries]
         print(json.dumps({"runs": data, "profile_out": written}, indent=2))
-        return 0
+        return ExitStatus.OK
     for entry in entries:
         console.print(_table(entry))
         if entry["model"]:
@@ -120,7 +154,7 @@ def _read(args, console) -> int:
     if written:
         console.print(f"wrote profile {written['name']} to {written['path']}: "
                       + ", ".join(f"{k} from {v}" for k, v in written["sources"].items()))
-    return 0
+    return ExitStatus.OK
 
 
 def _model_json(model: dict | None) -> dict | None:
@@ -137,7 +171,7 @@ def _profile_out(args, entries) -> dict:
     chosen = [e for e in entries if e["mode"] == mode]
     if len(chosen) != 1:
         modes = sorted({e["mode"] for e in entries})
-        raise ValueError(f"--profile-out {mode}: the results hold {len(chosen)} run(s) in that mode (modes: {modes}); "
+        raise UserError(f"--profile-out {mode}: the results hold {len(chosen)} run(s) in that mode (modes: {modes}); "
                          "need exactly one")
     profile, sources = build_profile(chosen[0], args.residual)
     profile.save(out)

@@ -12,6 +12,7 @@ SwiGLU of a dense model). Without one, RoPE is one rule or a head_dim-dependent 
 
 from __future__ import annotations
 
+from roundalign.errors import UserError
 from roundalign.profiles import HeadDimRope, Profile, ResidualRule, RopeRule
 
 
@@ -28,7 +29,7 @@ def _rope(region) -> RopeRule | HeadDimRope:
                                                          if r != generic[0] for d in ds):
         special = next(r for r in by_rule if r != generic[0])
         return HeadDimRope(head_dims=tuple(sorted(by_rule[special])), rule=special, other=generic[0])
-    raise ValueError(f"RoPE rules by head_dim {by_rule} do not fit one head_dim-dependent rule; "
+    raise UserError(f"RoPE rules by head_dim {by_rule} do not fit one head_dim-dependent rule; "
                      "write the profile by hand (docs/profiles.md)")
 
 
@@ -43,14 +44,14 @@ def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, di
     if residual is not None:
         residual = ResidualRule.parse(residual, "residual").value
         if residual not in residual_region.rules:
-            raise ValueError(f"--residual {residual} contradicts the battery: the {tag} run's residual is "
+            raise UserError(f"--residual {residual} contradicts the battery: the {tag} run's residual is "
                              f"{residual_region.status} {residual_region.rules}")
         open_.pop("residual", None)
     if open_:
         detail = "; ".join(f"{name}: {r.status} {r.rules}" for name, r in open_.items())
         hint = (" (the residual: pass --residual round_at_attention|never_round, e.g. from `roundalign fit`)"
                 if "residual" in open_ and residual_region.status == "indistinguishable" else "")
-        raise ValueError(f"cannot write a profile for the {tag} run, not every region is determined: {detail}{hint}")
+        raise UserError(f"cannot write a profile for the {tag} run, not every region is determined: {detail}{hint}")
     rules = {name: r.rules[0] for name, r in regions.items() if name != "rope"}
     rules["residual"] = residual or rules["residual"]
     sources = {name: "battery (the model's shapes)" if name in covered else "battery" for name in regions}

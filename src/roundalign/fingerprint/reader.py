@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roundalign.errors import UserError
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint import runner as R
 from roundalign.numerics.bf16 import bf16_order_key
@@ -110,7 +111,7 @@ def predict(case: dict, **rule) -> list[torch.Tensor]:
             normed = rms_norm(_heads(w[k], hd), w[f"{k}_weight"], p["eps"], rule["qk_norm"], out_dtype=B.DTYPE)
             out.append(_rope_rule(normed, w["positions"], p, rule["rope"]).reshape(w[k].shape))
         return out
-    raise ValueError(f"battery case {case['name']!r}: unknown op {op!r}")
+    raise UserError(f"battery case {case['name']!r}: unknown op {op!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,34 +295,34 @@ def _rope_region(per_hd: dict[int, Region]) -> Region:
 def check_results(results, where: str = "results") -> None:
     """Raise ValueError unless ``results`` is a complete results file for this battery version."""
     if not isinstance(results, dict) or results.get("format") != R.RESULTS_FORMAT:
-        raise ValueError(f"{where} is not a fingerprint results file; the runner writes one "
+        raise UserError(f"{where} is not a fingerprint results file; the runner writes one "
                          "(`python run_fingerprint.py battery.pt --engine vllm --out results.pt`)")
     if results.get("version") != R.RESULTS_VERSION:
-        raise ValueError(f"{where} has results version {results.get('version')}; this roundalign reads "
+        raise UserError(f"{where} has results version {results.get('version')}; this roundalign reads "
                          f"{R.RESULTS_VERSION}: rerun the runner copied from this roundalign "
                          "(`roundalign fingerprint runner`)")
     B.check_battery(results.get("battery"), f"{where}'s battery")
     battery = results["battery"]
     runs = results.get("runs") or []
     if not runs:
-        raise ValueError(f"{where} holds no runs")
+        raise UserError(f"{where} holds no runs")
     names = [c["name"] for c in battery["cases"]]
     for run in runs:
         tag = f"{where}: the {run.get('engine')} {run.get('mode')} run"
         if run.get("mode") not in R.MODES:
-            raise ValueError(f"{tag} has unknown mode {run.get('mode')!r}; expected one of {R.MODES}")
+            raise UserError(f"{tag} has unknown mode {run.get('mode')!r}; expected one of {R.MODES}")
         outputs = run.get("outputs", {})
         missing = [n for n in names if n not in outputs]
         extra = [n for n in outputs if n not in names]
         if missing or extra:
-            raise ValueError(f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on "
+            raise UserError(f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on "
                              "this battery")
         for case in battery["cases"]:
             want = R._expected_shapes(case)
             got = outputs[case["name"]]
             shapes = [(tuple(t.shape), t.dtype) for t in got] if isinstance(got, (list, tuple)) else got
             if shapes != [(s, B.DTYPE) for s in want]:
-                raise ValueError(f"{tag}: case {case['name']!r} has outputs {shapes}; expected "
+                raise UserError(f"{tag}: case {case['name']!r} has outputs {shapes}; expected "
                                  f"{[(s, B.DTYPE) for s in want]}")
 
 

@@ -48,7 +48,7 @@ SGLang (github.com/sgl-project/sglang, ``python/sglang/srt``): ``layers/layernor
 ``forward_cuda`` -> ``sgl_kernel.rmsnorm`` / in-place ``fused_add_rmsnorm``, ``forward_native``);
 ``layers/moe/moe_runner/triton_utils/fused_moe.py`` @ 01ab993a6655 (``silu_and_mul(intermediate_cache1, out)`` from
 ``sglang.kernels.ops.activation.activation``); ``layers/activation.py`` ``SiluAndMul`` and
-``layers/rotary_embedding`` ``get_rope`` as summarised in shared/reference/engine-rounding.md s6.
+``layers/rotary_embedding`` ``get_rope`` as summarised in roundalign's docs/engine-rounding.md s6.
 
 NOT run against a real vLLM or SGLang by roundalign's authors (no GPU, no engine where it was written): only the
 collection code below was tested, with simulated engines and the native adapter plugged in as adapters. If an

@@ -13,10 +13,14 @@ that no rounding rule explains (another checkpoint, processed log-probs) exits w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-NOT_FITTED = 5
+from roundalign.errors import ExitStatus, MissingFile, UserError, flag
+
+SCREEN_TOKENS, PRUNE_Z = 512, 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="where the trainer model runs the candidates' forwards: cpu (default), cuda, cuda:1, ... A GPU makes a "
       "large model's fit minutes instead of hours, and its matmul kernels are closer to the engine's")
     a("--exhaustive", action="store_true", help="score every candidate on every token (no pruning)")
-    a("--screen-tokens", type=int, default=512, metavar="N",
+    a("--screen-tokens", type=int, metavar="N",
       help="tokens every candidate is scored on before pruning (default 512)")
-    a("--prune-z", type=float, default=5.0, metavar="Z",
+    a("--prune-z", type=float, metavar="Z",
       help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)")
     a("--decide-z", type=float, default=3.0, metavar="Z",
       help="call a region determined when the best beats its other rules with z >= Z (default 3)")
@@ -45,36 +49,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", action="store_true", help="print report.json instead of the tables")
 
 
-def _check(args: argparse.Namespace) -> None:
-    if args.screen_tokens <= 0:
-        raise ValueError(f"--screen-tokens must be positive, got {args.screen_tokens}")
-    for name in ("prune_z", "decide_z", "max_excess"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.top <= 0:
-        raise ValueError(f"--top must be positive, got {args.top}")
+@dataclass(frozen=True)
+class FitConfig:
+    """``roundalign fit``'s options, one field per option (``--screen-tokens`` is ``screen_tokens``)."""
+
+    engine_logprobs: str
+    model: str | None = None
+    out: str = "fit-out"
+    device: str = "cpu"
+    exhaustive: bool = False
+    screen_tokens: int | None = None  # None: SCREEN_TOKENS, unless --exhaustive
+    prune_z: float | None = None  # None: PRUNE_Z, unless --exhaustive
+    decide_z: float = 3.0
+    max_excess: float | None = None  # None: roundalign.fit.search.MAX_EXCESS
+    top: int = 10
+    json: bool = False
+
+    def validate(self) -> FitConfig:
+        from roundalign.fit.search import MAX_EXCESS
+
+        if self.exhaustive and (self.screen_tokens is not None or self.prune_z is not None):
+            raise UserError("--exhaustive scores every candidate on every token, so --screen-tokens and --prune-z "
+                            "would be ignored; drop them")
+        cfg = dataclasses.replace(
+            self,
+            max_excess=MAX_EXCESS if self.max_excess is None else self.max_excess,
+            screen_tokens=SCREEN_TOKENS if self.screen_tokens is None else self.screen_tokens,
+            prune_z=PRUNE_Z if self.prune_z is None else self.prune_z,
+        )
+        if not Path(cfg.engine_logprobs).is_file():
+            raise MissingFile(f"--engine-logprobs {cfg.engine_logprobs!r} does not exist")
+        if cfg.screen_tokens <= 0:
+            raise UserError(f"--screen-tokens must be positive, got {cfg.screen_tokens}")
+        for name in ("prune_z", "decide_z", "max_excess"):
+            if not getattr(cfg, name) > 0:
+                raise UserError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
+        if cfg.top <= 0:
+            raise UserError(f"--top must be positive, got {cfg.top}")
+        return cfg
+
+
+def config_from_args(args: argparse.Namespace) -> FitConfig:
+    return FitConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FitConfig)})
 
 
 def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     """The trainer's bf16 model on ``device`` and the dump's rollouts, checked against its vocabulary and context."""
-    import torch
 
     from roundalign import models
     from roundalign.rollouts import read_rollouts
-    from roundalign.trainer import load_trainer_model
+    from roundalign.trainer import check_device, load_trainer_model
 
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"--device {device!r} is not a torch device ({exc}); use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} asked for a GPU, but torch sees none here; use --device cpu")
+    device = check_device(device)
     path = Path(model_path) if model_path else models.path()
     model = load_trainer_model(path).to(device)
     return model, read_rollouts(dump, model.config)
 
 
-def plan(model, rollouts, args: argparse.Namespace) -> str:
+def plan(model, rollouts, args: FitConfig) -> str:
     """What the search will cost, before it starts: time is one forward per (candidate, sequence)."""
     from roundalign.fit.search import screen_prefix
     from roundalign.fit.space import RULES, Space
@@ -90,7 +122,7 @@ def plan(model, rollouts, args: argparse.Namespace) -> str:
                    "clearly beaten there")
 
 
-def run(args: argparse.Namespace, console) -> int:
+def run(args: FitConfig) -> int:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -100,10 +132,11 @@ def run(args: argparse.Namespace, console) -> int:
         TimeRemainingColumn,
     )
 
+    from roundalign.console import make_console
     from roundalign.fit import report
     from roundalign.fit.search import DumpNotExplained, fit
 
-    _check(args)
+    console = make_console()
     model, rollouts = load(args.model, args.engine_logprobs, args.device)
     out = Path(args.out)
     if not args.json:
@@ -123,7 +156,7 @@ def run(args: argparse.Namespace, console) -> int:
             else:
                 console.print(f"[bold red]not fitted[/]: {exc}", highlight=False)
                 console.print(report.render_not_explained(exc), highlight=False)
-            return NOT_FITTED
+            return ExitStatus.NOT_FITTED
     out.mkdir(parents=True, exist_ok=True)
     data = report.as_dict(result, top=args.top)
     result.profile.save(out / "profile.json")

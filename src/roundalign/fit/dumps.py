@@ -22,6 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from roundalign.engine import BACKENDS
+from roundalign.errors import UserError
 from roundalign.rollouts import Rollout, write_engine_logprobs
 
 MODES = ("prefill", "decode")
@@ -35,9 +37,9 @@ def reference_dump(profile, *, model=None, mode: str = "prefill", backend: str =
     from roundalign.probe.run import default_prompts
 
     if mode not in MODES:
-        raise ValueError(f"unknown dump mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise UserError(f"unknown dump mode {mode!r}; choose one of {', '.join(MODES)}")
     if tokens <= 0 or max_tokens <= 0:
-        raise ValueError(f"tokens and max_tokens must be positive, got {tokens} and {max_tokens}")
+        raise UserError(f"tokens and max_tokens must be positive, got {tokens} and {max_tokens}")
     model = model or models.path()
     n = -(-tokens // max_tokens)  # every completion runs to max_tokens (ignore_eos): n of them suffice
     # A completion that reaches the model's context ends there ("length"), shorter than max_tokens.
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m roundalign.fit.dumps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="the engine's profile: a built-in name or a .json file")
     parser.add_argument("--mode", choices=MODES, default="prefill")
-    parser.add_argument("--backend", choices=("kernels", "inductor"), default="kernels",
+    parser.add_argument("--backend", choices=BACKENDS, default="kernels",
                         help="kernels: per-op formulas; inductor: vLLM's forward_native code compiled (vllm only)")
     parser.add_argument("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
     parser.add_argument("--tokens", type=int, default=2000, help="completion tokens in all (default 2000)")

@@ -17,7 +17,7 @@ Per generation batch, over every completion token of every rank (gathered, so al
   one-sequence prefill of the same tokens, the rounding-location gap without decode's attention shapes;
 - every ``attribution_every`` training steps, ``attribution/*``: the same rollouts re-scored by the policy under
   the base profile (stock ``hf``), under the engine profile, and with one region switched at a time
-  (``roundalign.probe.attribution``). ``attribution/base/k3_kl`` against ``attribution/target/k3_kl`` is the stock
+  (``roundalign.numerics.attribution``). ``attribution/base/k3_kl`` against ``attribution/target/k3_kl`` is the stock
   against the aligned trainer on the same samples.
 """
 
@@ -30,9 +30,9 @@ from transformers import TrainerCallback
 
 import roundalign
 from roundalign.integrations.trl_policy import check_not_sharded, unwrap_policy
+from roundalign.numerics.attribution import SHARE_METRIC, attribution_entry, region_switches
 from roundalign.numerics.correction import ISCorrection, is_weights
 from roundalign.numerics.metrics import mismatch_metrics
-from roundalign.probe.attribution import SHARE_METRIC, attribution_entry, region_switches
 from roundalign.sync import KEYS as SYNC_KEYS
 
 # What is logged from roundalign.numerics.metrics (TRL logs sampling/sampling_logp_difference/* itself).

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from roundalign.errors import MissingFile, UserError
+
 _HERE = Path(__file__).resolve().parent
 # What a directory needs to load with AutoTokenizer and AutoModelForCausalLM.
 REQUIRED_FILES = (
@@ -43,10 +45,10 @@ def path(name: str = "tiny-qwen3") -> Path:
         raise TypeError(f"model name must be a str, got {type(name).__name__}")
     directory = _HERE / name
     if name in ("", ".", "..") or "/" in name or "\\" in name or not directory.is_dir():
-        raise ValueError(f"no shipped model named {name!r}; the shipped models are: {', '.join(list_models())}")
+        raise UserError(f"no shipped model named {name!r}; the shipped models are: {', '.join(list_models())}")
     missing = [f for f in REQUIRED_FILES if not (directory / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"shipped model {name!r} at {directory} lacks {', '.join(missing)}; {_REGENERATE}")
+        raise MissingFile(f"shipped model {name!r} at {directory} lacks {', '.join(missing)}; {_REGENERATE}")
     return directory
 
 

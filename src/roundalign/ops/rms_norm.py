@@ -1,6 +1,6 @@
 """RMSNorm with the rounding point of a rule, and the residual add that feeds it.
 
-Notation (shared/reference/engine-rounding.md): ``r(t)`` rounds to the model's 16-bit dtype (bf16, or fp16 for an
+Notation (docs/engine-rounding.md s1): ``r(t)`` rounds to the model's 16-bit dtype (bf16, or fp16 for an
 fp16 model), ``nu(x) = rsqrt(mean(x^2) + eps)`` in fp32, ``a`` the sublayer output, ``h`` the incoming residual,
 ``S = a + h`` in fp32, ``R = r(S)``.
 

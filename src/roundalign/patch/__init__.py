@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from roundalign.patch.registry import FAMILIES, Family
-from roundalign.profiles import Profile, QKNormRule, RopeRounding, get_profile
+from roundalign.profiles import Profile, QKNormRule, RopeAngles, RopeRounding, get_profile
 from roundalign.rotary import engine_inv_freq
 from roundalign.support import TRAINER_FAMILIES, check_trainer_model, head_dim
 
@@ -68,7 +68,8 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
             on its first call (seconds); needs a C++ compiler on the CPU, Triton on GPUs. Numerics do not change.
         **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
 
-    Returns the model. ``hf`` (stock HF eager) leaves every module as it is and only records the profile.
+    Returns the model. A profile with stock HF's rules (``hf``: ``Profile.is_stock_hf``) leaves every module as it
+    is and only records the profile.
     Applying the same profile twice only updates ``compile_ops``; applying a different one raises: ``revert`` first.
     """
     prof = get_profile(profile).replace(**region_overrides)
@@ -84,7 +85,7 @@ def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = Fals
         )
     _check_dtype(model, allow_non_bf16)
     config = model.config
-    if prof.name != "hf":
+    if not prof.is_stock_hf:  # by the rules, not the name: a profile with stock HF's rules changes nothing
         _patch_modules(model, family, prof, config)
         _set_compile_ops(model, compile_ops)
     model._roundalign_profile = prof
@@ -115,7 +116,9 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
             return {"_roundalign_rope": RopeRounding.ONCE if qk_fused else rope.rounding}
         if role == "decoder_layer":
             return {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name}
-        inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)  # rotary
+        if prof.rope_angles is RopeAngles.MODULE:  # rotary: HF's own buffer and scaling, read at each forward
+            return {"_roundalign_rope": rope, "_roundalign_inv_freq": None, "_roundalign_scaling": None}
+        inv_freq, scaling = engine_inv_freq(config, type(module).compute_default_rope_parameters)
         return {"_roundalign_rope": rope, "_roundalign_inv_freq": inv_freq, "_roundalign_scaling": scaling}
 
     hits = [(name, module, family.aligned_for(module)) for name, module in model.named_modules()]

@@ -8,7 +8,7 @@ Its modules:
 
 - ``run``: ``ProbeConfig`` and ``run_probe``, the audit itself;
 - ``report``: the versioned ``report.json`` schema (docs/probe-report.md);
-- ``attribution``: the per-region attribution of the gap;
+- the per-region attribution of the gap is ``roundalign.numerics.attribution`` (the TRL metrics use it too);
 - ``table`` and ``plots``: the terminal tables (rich) and the PNG plots (matplotlib), imported lazily because
   both libraries are the optional ``[cli]`` extra.
 
@@ -16,6 +16,6 @@ The metrics it reports are ``roundalign.numerics``'s; the rollouts it reads and 
 ``roundalign.rollouts``'.
 """
 
-from roundalign.probe.report import SCHEMA, build_report, load_report, region_share, validate_report, write_report
+from roundalign.probe.report import SCHEMA, build_report, load_report, validate_report, write_report
 
-__all__ = ["SCHEMA", "build_report", "load_report", "region_share", "validate_report", "write_report"]
+__all__ = ["SCHEMA", "build_report", "load_report", "validate_report", "write_report"]

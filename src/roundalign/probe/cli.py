@@ -15,80 +15,83 @@ import argparse
 import json
 from pathlib import Path
 
+from roundalign.errors import MissingFile, UserError
 from roundalign.profiles import list_profiles
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.probe.run import SAMPLING_DEFAULTS as d
+
     a = parser.add_argument
     a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
     a("--engine-profile", default="vllm", metavar="NAME",
-      help=f"the engine's rounding profile (default vllm; one of {', '.join(list_profiles())})")
+      help=f"the engine's rounding profile (default vllm; one of {', '.join(list_profiles())}, or a .json file)")
     a("--trainer-profiles", metavar="A,B", help="comma-separated trainer profiles (default: hf and the engine profile)")
-    a("--backends", metavar="A,B", help="engine numerics backends: kernels, inductor (default: both for vllm, "
-      "kernels otherwise)")
-    a("--prompts", metavar="FILE", help="one prompt per line: text, or a JSON list of token ids "
-      "(default: arithmetic word problems)")
-    a("--num-samples", type=int, default=16, help="completions to sample; prompts are used round-robin (default 16)")
-    a("--max-tokens", type=int, default=48, help="max completion tokens (default 48)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default 1.0)")
-    a("--seed", type=int, default=0, help="sampling seed (default 0)")
-    a("--engine-logprobs", metavar="FILE", help="JSONL dumped by a real engine: one {prompt_token_ids, token_ids, "
-      "logprobs} object per line (docs/real-engines.md); replaces sampling")
-    a("--layer-sequences", type=int, default=4, metavar="N",
-      help="sequences the per-layer and decode-shape experiments run on (default 4; 0 skips them)")
+    a("--device", default="cpu", metavar="DEV", help="where the trainer's forwards run: cpu (default), cuda, cuda:1, "
+      "...; the reference engine samples on the CPU")
     a("--out", metavar="DIR", default="probe-out", help="where report.json and the plots go (default probe-out)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
+    g = parser.add_argument_group("a real engine's log-probs, instead of sampling")
+    g.add_argument("--engine-logprobs", metavar="FILE", help="JSONL dumped by a real engine: one {prompt_token_ids, "
+                   "token_ids, logprobs} object per line (docs/real-engines.md); the sampling options do not apply")
+    g = parser.add_argument_group("sampling with the reference engine")
+    a = g.add_argument
+    a("--backends", metavar="A,B", help="engine numerics backends: kernels, inductor (default: every backend that "
+      "implements the engine profile; inductor implements vllm only)")
+    a("--prompts", metavar="FILE", help="one prompt per line: text, or a JSON list of token ids "
+      "(default: arithmetic word problems)")
+    a("--num-samples", type=int,
+      help=f"completions to sample; prompts are used round-robin (default {d['num_samples']})")
+    a("--max-tokens", type=int, help=f"max completion tokens (default {d['max_tokens']})")
+    a("--temperature", type=float, help=f"sampling temperature (default {d['temperature']}; 0 = greedy)")
+    a("--top-p", type=float, help=f"nucleus sampling, in (0, 1] (default {d['top_p']})")
+    a("--seed", type=int, help=f"sampling seed (default {d['seed']})")
+    a("--layer-sequences", type=int, metavar="N", help="sequences the per-layer and decode-shape experiments run on "
+      f"(default {d['layer_sequences']}; 0 skips them)")
 
 
 def read_prompts(path: str | Path) -> list[str] | list[list[int]]:
     """Prompts from a file: one per line, text or a JSON list of token ids. Blank lines are errors."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+        raise MissingFile(f"prompt file {str(path)!r} does not exist")
     lines = path.read_text().splitlines()
     if not any(line.strip() for line in lines):
-        raise ValueError(f"prompt file {str(path)!r} is empty; put one prompt per line")
+        raise UserError(f"prompt file {str(path)!r} is empty; put one prompt per line")
     prompts = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
-            raise ValueError(f"{path}:{i}: blank line; every line is one prompt (remove it)")
+            raise UserError(f"{path}:{i}: blank line; every line is one prompt (remove it)")
         if line.lstrip().startswith("["):
             try:
                 ids = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{i}: looks like a token-id list but is not valid JSON: {exc}") from None
+                raise UserError(f"{path}:{i}: looks like a token-id list but is not valid JSON: {exc}") from None
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{path}:{i}: a token-id prompt must be a non-empty JSON list of integers")
+                raise UserError(f"{path}:{i}: a token-id prompt must be a non-empty JSON list of integers")
             prompts.append(ids)
         else:
             prompts.append(line)
     return prompts
 
 
-def _split(value: str | None) -> tuple[str, ...] | None:
+def _split(value: str | None, option: str) -> tuple[str, ...] | None:
     if value is None:
         return None
     items = tuple(v.strip() for v in value.split(",") if v.strip())
     if not items:
-        raise ValueError(f"empty list {value!r}; give comma-separated names")
+        raise UserError(f"{option} {value!r} is an empty list; give comma-separated names")
     return items
 
 
 def config_from_args(args: argparse.Namespace):
     from roundalign.probe.run import ProbeConfig
 
-    if args.max_tokens <= 0:
-        raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     return ProbeConfig(
         model=args.model,
         engine_profile=args.engine_profile,
-        trainer_profiles=_split(args.trainer_profiles),
-        backends=_split(args.backends),
+        trainer_profiles=_split(args.trainer_profiles, "--trainer-profiles"),
+        backends=_split(args.backends, "--backends"),
         prompts=read_prompts(args.prompts) if args.prompts else None,
         num_samples=args.num_samples,
         max_tokens=args.max_tokens,
@@ -97,20 +100,25 @@ def config_from_args(args: argparse.Namespace):
         seed=args.seed,
         engine_logprobs=args.engine_logprobs,
         layer_sequences=args.layer_sequences,
-    ).resolved()
+        device=args.device,
+        out=args.out,
+        plots=not args.no_plots,
+    )
 
 
-def run(args: argparse.Namespace, console) -> dict:
-    """Run the probe with a progress bar, write the outputs, print the tables; returns the report."""
+def run(cfg) -> int:
+    """Run the probe with a progress bar, write the outputs, print the tables."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from roundalign.console import make_console
+    from roundalign.errors import ExitStatus
     from roundalign.probe import report as report_mod
     from roundalign.probe import table
     from roundalign.probe.run import plan, run_probe
-    from roundalign.rollouts import Rollout, write_engine_logprobs
+    from roundalign.rollouts import write_engine_logprobs
 
-    cfg = config_from_args(args)
-    out = Path(args.out)
+    console = make_console()
+    out = Path(cfg.out)
     with Progress(
         TextColumn("[bold]probe[/]"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
         console=console, transient=True,
@@ -128,11 +136,8 @@ def run(args: argparse.Namespace, console) -> dict:
         progress.advance(task)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.engine_logprobs is None:
-        write_engine_logprobs(
-            out / "rollouts.jsonl",
-            [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in arrays["rollouts"]],
-        )
-    if not args.no_plots:
+        write_engine_logprobs(out / "rollouts.jsonl", arrays["rollouts"])
+    if cfg.plots:
         from roundalign.probe import plots
 
         written = {"log_ratio_hist": plots.plot_log_ratio_hist(arrays["log_ratios"], out / "log_ratio_hist.png")}
@@ -144,5 +149,5 @@ def run(args: argparse.Namespace, console) -> dict:
     path = report_mod.write_report(report, out)
     for renderable in table.render(report):
         console.print(renderable)
-    console.print(f"report: {path}" + ("" if args.no_plots else f"; plots in {out}/"))
-    return report
+    console.print(f"report: {path}" + (f"; plots in {out}/" if cfg.plots else ""))
+    return ExitStatus.OK

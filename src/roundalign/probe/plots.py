@@ -7,6 +7,7 @@ Two properties of the data shape the plots. Log-ratios span many decades (an fp3
 a bf16 rounding flip ~1e-2), so the x axis is symmetric-log. And exact zeros are common (an aligned profile
 often matches most tokens bit for bit), which a histogram cannot show on a log axis: they get their own hatched
 bar at 0 and their count in the legend, so a run that is all zeros still reads as a bar, not an empty panel.
+Attribution shares, by contrast, go on a fixed linear axis (``SHARE_AXIS``), with the rare share beyond it marked.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from roundalign.probe.table import fmt_pct
+from roundalign.probe.table import NA, fmt_pct
 
 BINS_PER_DECADE = 8
+# The attribution plot's share axis, in percent (plot_attribution says why it is fixed).
+SHARE_AXIS = (-100.0, 200.0)
 
 
 def _pyplot():
@@ -162,13 +165,35 @@ def plot_layer_agreement(report: dict, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def share_bar(share: float | None, undefined: str | None) -> tuple[float | None, str, bool]:
+    """How plot_attribution draws one share: (bar length in %, None for no bar; its label; clipped to SHARE_AXIS)."""
+    if undefined:
+        return None, f"n/a: {undefined}", False
+    if share is None:
+        return None, NA, False
+    x = 100 * share
+    shown = min(max(x, SHARE_AXIS[0]), SHARE_AXIS[1])
+    return shown, f"{x:.0f}%" + ("" if shown == x else " (off axis)"), shown != x
+
+
 def plot_attribution(report: dict, path: str | Path) -> Path:
     """Per region, two bars: the share of the trainer-to-engine gap that switching it alone closes, and the share of
-    the mismatch it causes alone (every other region already at the engine's rule). One panel per attribution."""
+    the mismatch it causes alone (every other region already at the engine's rule). One panel per attribution.
+
+    Shares live on a fixed axis, SHARE_AXIS: a share far outside it is interaction or noise, and letting one
+    stretch the axis (to 3000%, say) would flatten every meaningful bar. Such a bar stops at the edge, hatched,
+    with its value written next to it. An entry whose gap is not there (``share_undefined``) gets no switch bars,
+    only a note saying why.
+    """
+    from matplotlib.patches import Patch
+
+    from roundalign.numerics.attribution import entry_share_undefined
+
     entries = report["attribution"]
     if not entries:
         raise ValueError("the report has no attribution to plot (see its notes for why)")
     plt = _pyplot()
+    lo, hi = SHARE_AXIS
     heights = [1.4 + 0.6 * max(1, len(e["regions"])) for e in entries]
     # A shared x axis keeps panels comparable: 100% means the same thing in each.
     fig, axes = plt.subplots(
@@ -180,23 +205,29 @@ def plot_attribution(report: dict, path: str | Path) -> Path:
         gridspec_kw={"height_ratios": heights},
         layout="constrained",
     )
-    kinds = (("share", "switching it alone closes", "C0"), ("alone_share", "it causes alone", "C1"))
-    values = [100 * r[k] for e in entries for r in e["regions"] for k, _, _ in kinds if r.get(k) is not None]
+    kinds = (
+        ("share", "share of the gap switching it alone closes", "C0"),
+        ("alone_share", "mismatch it causes alone, as a share of base", "C1"),
+    )
     for ax, e in zip(axes[:, 0], entries, strict=True):
-        regions = e["regions"]
+        regions, why = e["regions"], entry_share_undefined(e)
         ys = list(range(len(regions)))
-        for j, (key, label, color) in enumerate(kinds):
+        for j, (key, _, color) in enumerate(kinds):
             pos = [y + (j - 0.5) * 0.36 for y in ys]
-            shares = [100 * r[key] if r.get(key) is not None else 0.0 for r in regions]
-            ax.barh(pos, shares, color=color, height=0.34, label=f"share of the gap {label}")
-            for y, r, x in zip(pos, regions, shares, strict=True):
-                text = "n/a" if r.get(key) is None else f"{x:.0f}%"
-                ax.annotate(f" {text}", (max(x, 0.0), y), va="center", fontsize=7)
+            for y, r in zip(pos, regions, strict=True):
+                x, text, clipped = share_bar(r.get(key), why if key == "share" else None)
+                if x is not None:
+                    hatch = {"hatch": "////", "edgecolor": "0.2"} if clipped else {"edgecolor": color}
+                    ax.barh(y, x, color=color, height=0.34, **hatch)
+                grey = {"color": "0.35", "style": "italic"} if x is None else {}
+                ax.annotate(f" {text}", (max(x or 0.0, 0.0), y), va="center", fontsize=7, **grey)
         ax.set_yticks(ys, [r["region"] for r in regions])
-        ax.invert_yaxis()
+        # Inverted (first region on top), with room for a note where a region has no bar to hold the axis open.
+        ax.set_ylim(len(regions) - 0.4, -0.6)
         ax.axvline(0, color="0.3", linewidth=0.8)
         ax.axvline(100, color="0.3", linewidth=0.8, linestyle="--")
-        ax.set_xlim(min(-5.0, min(values, default=0) - 5), max(115.0, max(values, default=0) + 15))
+        # Room right of the axis edge for the value of a bar that stops there.
+        ax.set_xlim(lo - 5, hi + 45)
         base = "n/a" if e["base"] is None else f"{e['base']:.3g}"
         target = "n/a" if e["target"] is None else f"{e['target']:.3g}"
         ax.set_title(
@@ -205,7 +236,9 @@ def plot_attribution(report: dict, path: str | Path) -> Path:
             fontsize=10,
         )
         ax.grid(True, axis="x", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper center", ncols=2, fontsize=8)
-    axes[-1, 0].set_xlabel("share of the trainer-vs-engine mismatch (%)")
+    handles = [Patch(color=color, label=label) for _, label, color in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="0.2", hatch="////", label="beyond the axis: value written"))
+    fig.legend(handles=handles, loc="outside upper center", ncols=3, fontsize=8)
+    axes[-1, 0].set_xticks(range(int(lo), int(hi) + 1, 50))
+    axes[-1, 0].set_xlabel(f"share of the trainer-vs-engine mismatch (%), axis {lo:.0f}% to {hi:.0f}%")
     return _save(fig, path)

@@ -31,17 +31,6 @@ ATTRIBUTION_KEYS = (
 )  # fmt: skip
 
 
-def region_share(base: float, value: float, target: float) -> float | None:
-    """Share of the base-to-target gap one region closes: (base - value) / (base - target); None if base == target.
-
-    Shares need not sum to 1 and may fall outside [0, 1]: regions interact (one region's rounding can hide or
-    amplify another's), which is itself worth seeing.
-    """
-    if base == target:
-        return None
-    return (base - value) / (base - target)
-
-
 def _versions() -> tuple[str, str]:
     import torch
 
@@ -224,6 +213,8 @@ def validate_report(report: dict) -> None:
         _str(a["reference"], f"{w}.reference", REFERENCES)
         _num(a["base"], f"{w}.base")
         _num(a["target"], f"{w}.target")
+        if a.get("share_undefined") is not None:  # optional: why the switch shares mean nothing here
+            _str(a["share_undefined"], f"{w}.share_undefined")
         for j, r in enumerate(_list(a["regions"], f"{w}.regions")):
             wr = f"{w}.regions[{j}]"
             _obj(r, wr, ("region", "trainer_rule", "engine_rule", "value", "share"))

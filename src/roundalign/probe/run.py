@@ -27,51 +27,82 @@ from pathlib import Path
 
 import torch
 
+from roundalign.errors import UserError, flag
+from roundalign.numerics import attribution as attr
 from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
-from roundalign.probe import attribution as attr
 from roundalign.probe.report import build_report
-from roundalign.profiles import get_profile
+from roundalign.profiles import Profile, get_profile
 from roundalign.rollouts import Rollout, read_rollouts
-from roundalign.trainer import TrainerSide, load_trainer_model
+from roundalign.trainer import TrainerSide, check_device, load_trainer_model
 
-BACKENDS = ("kernels", "inductor")
 DECODE_SHAPE_VARIANTS = ((), ("attention",), ("matmul",), ("attention", "matmul"))
+# What sampling takes when the user does not say; an import (--engine-logprobs) takes none of it.
+SAMPLING_DEFAULTS = {"num_samples": 16, "max_tokens": 48, "temperature": 1.0, "top_p": 1.0, "seed": 0,
+                     "layer_sequences": 4}
+_SAMPLING_ONLY = (*SAMPLING_DEFAULTS, "prompts", "backends")
 
 
 @dataclass
 class ProbeConfig:
-    """Everything ``roundalign probe`` takes; the CLI maps its options one to one onto these fields."""
+    """Everything ``roundalign probe`` takes; its options map one to one onto these fields (``--top-p`` is
+    ``top_p``). ``validate()`` returns a checked copy with the defaults that depend on other fields filled in."""
 
     model: str | None = None  # None: the shipped tiny-qwen3
     engine_profile: str = "vllm"
     trainer_profiles: tuple[str, ...] | None = None  # None: ("hf", engine_profile)
-    backends: tuple[str, ...] | None = None  # None: both for vllm (the inductor backend is vLLM's), else kernels
+    backends: tuple[str, ...] | None = None  # None: every backend that implements the engine profile
     prompts: list[str] | list[list[int]] | None = None  # None: arithmetic word problems
-    num_samples: int = 16
-    max_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
+    num_samples: int | None = None  # None here and below: SAMPLING_DEFAULTS, when sampling
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
     engine_logprobs: str | None = None  # a JSONL dump from a real engine, instead of sampling
-    layer_sequences: int = 4  # how many sequences the per-layer and decode-shape experiments run over
+    layer_sequences: int | None = None  # how many sequences the per-layer and decode-shape experiments run over
+    device: str = "cpu"  # where the trainer's forwards run
+    out: str = "probe-out"  # what the command line writes to (run_probe writes nothing)
+    plots: bool = True
     notes: list[str] = field(default_factory=list)
+    # name -> Profile of every trainer profile, filled by validate(): a profile given as a .json path is known by
+    # its name in the report.
+    profiles: dict[str, Profile] = field(default_factory=dict, repr=False)
 
-    def resolved(self) -> ProbeConfig:
-        """Validate, and fill the defaults that depend on other fields."""
-        engine = get_profile(self.engine_profile)  # unknown name: ValueError listing the profiles
-        trainers = self.trainer_profiles or ("hf", engine.name)
-        trainers = tuple(dict.fromkeys(get_profile(p).name for p in trainers))
-        backends = self.backends
-        if backends is None:
-            backends = BACKENDS if engine.name == "vllm" else ("kernels",)
-        unknown = [b for b in backends if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
-        if self.num_samples <= 0:
-            raise ValueError(f"--num-samples must be positive, got {self.num_samples}")
-        if self.layer_sequences < 0:
-            raise ValueError(f"layer_sequences must be >= 0, got {self.layer_sequences}")
-        return ProbeConfig(**{**self.__dict__, "trainer_profiles": trainers, "backends": tuple(backends)})
+    def validate(self) -> ProbeConfig:
+        """Check every field, in the command line's terms; an option the chosen mode ignores is an error."""
+        from roundalign.engine import BACKENDS, backends_for, check_backend
+
+        engine = get_profile(self.engine_profile)  # unknown name: UserError listing the profiles
+        given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or ("hf", engine)]
+        profiles = {p.name: p for p in given}
+        fields = dict(self.__dict__, trainer_profiles=tuple(profiles), profiles=profiles,
+                      device=str(check_device(self.device)))
+        if self.engine_logprobs is not None:
+            given = [flag(k) for k in _SAMPLING_ONLY if getattr(self, k) is not None]
+            if given:
+                raise UserError(f"--engine-logprobs replaces sampling with the dump's tokens and log-probs, so "
+                                f"{', '.join(given)} would be ignored; drop {'them' if len(given) > 1 else 'it'}")
+            return ProbeConfig(**fields)  # no engine internals: no per-layer or decode-shape experiment
+        for key, default in SAMPLING_DEFAULTS.items():
+            fields[key] = default if fields[key] is None else fields[key]
+        backends = tuple(self.backends) if self.backends is not None else backends_for(engine)
+        if not backends:
+            raise UserError(f"--backends is empty; choose from {', '.join(BACKENDS)}")
+        for b in backends:
+            check_backend(b, engine)
+        cfg = ProbeConfig(**{**fields, "backends": backends})
+        if cfg.num_samples <= 0:
+            raise UserError(f"--num-samples must be positive, got {cfg.num_samples}")
+        if cfg.max_tokens <= 0:
+            raise UserError(f"--max-tokens must be positive, got {cfg.max_tokens}")
+        if cfg.temperature < 0:
+            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+        if not 0 < cfg.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+        if cfg.layer_sequences < 0:
+            raise UserError(f"--layer-sequences must be >= 0, got {cfg.layer_sequences}")
+        if cfg.prompts is not None and not cfg.prompts:
+            raise UserError("no prompts: the prompt list is empty")
+        return cfg
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -88,7 +119,7 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if tokenizer is None:
-                raise ValueError(
+                raise UserError(
                     "the model directory has no tokenizer files, so text prompts cannot be encoded; add the "
                     "tokenizer files or pass --prompts FILE with one JSON token-id list per line"
                 )
@@ -96,7 +127,7 @@ def _tokenize(prompts, tokenizer) -> list[list[int]]:
         else:
             ids = [int(t) for t in p]
         if not ids:
-            raise ValueError(f"prompt {i + 1} is empty")
+            raise UserError(f"prompt {i + 1} is empty")
         out.append(ids)
     return out
 
@@ -127,8 +158,6 @@ def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, 
         tick(f"building the {b} engine")
         engines[b] = Engine(hf_model, profile=engine_profile, backend=b, tokenizer=tokenizer)
     prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
-    if not prompts:
-        raise ValueError("no prompts: the prompt list is empty")
     if len(prompts) > cfg.num_samples:
         notes.append(f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
                      f"{cfg.num_samples} prompts only")
@@ -160,7 +189,7 @@ def _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profi
                      f"{', '.join(missing)}")
     out = []
     for p in cfg.trainer_profiles:
-        base = get_profile(p)
+        base = cfg.profiles[p]
         if base == engine_profile:
             continue
         switches = attr.region_switches(base, engine_profile, config)
@@ -189,7 +218,7 @@ def _layers(cfg, trainer, engines, rollouts, tick) -> list[dict]:
     def pooled(per_sequence):  # [sequence][layer] (tokens, hidden) -> [layer] (all tokens, hidden)
         return [torch.cat(layer) for layer in zip(*per_sequence, strict=True)]
 
-    trainer_h = {p: pooled([trainer.hidden_states(p, s) for s in seqs]) for p in cfg.trainer_profiles}
+    trainer_h = {p: pooled([trainer.hidden_states(cfg.profiles[p], s) for s in seqs]) for p in cfg.trainer_profiles}
     out = []
     for b, eng in engines.items():
         tick(f"per-layer hidden states ({b})")
@@ -223,7 +252,7 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
     """Run the audit. Returns ``(report, arrays)``: the report dict (``roundalign.probe.report``), and the
     per-token log-ratios per comparison label (for the histogram) and the rollouts. ``step(description)`` is called
     before each stage, for a progress bar (``plan(cfg)`` says how many stages there are)."""
-    cfg = cfg.resolved()
+    cfg = cfg.validate()
     tick = step or (lambda _desc: None)
     notes = list(cfg.notes)
 
@@ -238,13 +267,14 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
         (rollouts, refs), engines = _import(cfg, config, tick, notes), {}
     else:
         rollouts, refs, engines = _sample(cfg, hf_model, model_path, engine_profile, tick, notes)
+    hf_model.to(cfg.device)  # after the engines copied their weights from it: they serve from the CPU
 
     tick("trainer log-probs (fp32 reference)")
     fp32, entropy = trainer.fp32_logprobs(rollouts)
     train: dict[str, list[torch.Tensor]] = {}
     for p in cfg.trainer_profiles:
         tick(f"trainer log-probs ({p})")
-        train[p] = trainer.logprobs(p, rollouts)
+        train[p] = trainer.logprobs(cfg.profiles[p], rollouts)
     comparisons, arrays = [], {}
     for p in cfg.trainer_profiles:
         for (b, ref), ref_lp in refs.items():
@@ -297,9 +327,9 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
 
 def plan(cfg: ProbeConfig) -> int:
     """How many times ``run_probe`` calls ``step``: the length of the progress bar."""
-    cfg = cfg.resolved()
+    cfg = cfg.validate()
     engine = get_profile(cfg.engine_profile)
-    n_attr = sum(get_profile(p) != engine for p in cfg.trainer_profiles)
+    n_attr = sum(cfg.profiles[p] != engine for p in cfg.trainer_profiles)
     if cfg.engine_logprobs is not None:
         return 1 + 1 + 1 + len(cfg.trainer_profiles) + n_attr
     b = len(cfg.backends)

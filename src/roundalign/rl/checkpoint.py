@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from roundalign.errors import UserError
 from roundalign.rl.logbook import read_metrics
 
 KEEP = 2
@@ -62,7 +63,7 @@ def load_latest(out: Path) -> tuple[dict, dict, dict]:
     """(master, served, state) of the newest complete checkpoint in ``out``."""
     found = list_checkpoints(out)
     if not found:
-        raise ValueError(f"cannot resume: {str(out)!r} holds no checkpoint; runs save one at the end and every "
+        raise UserError(f"cannot resume: {str(out)!r} holds no checkpoint; runs save one at the end and every "
                          "--save-every N steps")
     path = found[-1]
     state = torch.load(path / "state.pt", weights_only=False)

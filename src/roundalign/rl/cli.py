@@ -13,9 +13,12 @@ change), and ``--clip-eps`` given with ``--loss-type reinforce`` is an error rat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from roundalign.errors import ExitStatus, UserError, flag
 from roundalign.numerics.correction import IS_MODES
 from roundalign.profiles import list_profiles
 from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, OPTIMIZERS, TrainConfig
@@ -96,68 +99,106 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _NOT_CONFIG = ("out", "resume", "no_tensorboard", "quiet", "command")
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path, bool]:
-    """(validated config, run directory, whether to resume) from parsed ``train`` arguments."""
-    given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
-    resume = getattr(args, "resume", None)
-    if resume is not None:
-        out = Path(resume)
-        if getattr(args, "out", None) is not None and Path(args.out) != out:
-            raise ValueError("--resume DIR continues the run in DIR; drop --out (or give the same directory)")
+@dataclass(frozen=True)
+class TrainRun:
+    """``roundalign train``'s options: the run's settings (``TrainConfig`` fields, only those the user gave) and
+    where the run goes. ``validate()`` resolves them into ``config``, reading a resumed run's own settings."""
+
+    given: dict = field(default_factory=dict)
+    out: str | None = None
+    resume: str | None = None
+    quiet: bool = False
+    tensorboard: bool = True
+    config: TrainConfig | None = None  # set by validate()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.resume or self.out or "runs/train")
+
+    def validate(self) -> TrainRun:
+        if self.resume is None:
+            return dataclasses.replace(self, config=TrainConfig(**self.given).validate())
+        out = Path(self.resume)
+        if self.out is not None and Path(self.out) != out:
+            raise UserError("--resume DIR continues the run in DIR; drop --out (or give the same directory)")
         path = out / "config.json"
         if not path.is_file():
-            raise ValueError(f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
-                             "by roundalign train")
+            raise UserError(f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
+                            "by roundalign train")
         saved = TrainConfig.from_dict(json.loads(path.read_text()))
-        clash = {k: (getattr(saved, k), v) for k, v in given.items()
+        clash = {k: (getattr(saved, k), v) for k, v in self.given.items()
                  if k not in RESUMABLE_CHANGES and _normal(getattr(saved, k)) != _normal(v)}
         if clash:
-            lines = ", ".join(f"--{k.replace('_', '-')} {new!r} (the run has {old!r})"
-                              for k, (old, new) in clash.items())
-            raise ValueError(f"a resumed run keeps its settings; these options contradict {str(path)!r}: {lines}. "
-                             f"Only {', '.join('--' + c.replace('_', '-') for c in RESUMABLE_CHANGES)} may change")
-        config = saved.replace(**{k: v for k, v in given.items() if k in RESUMABLE_CHANGES})
-        return config.validate(), out, True
-    config = TrainConfig(**given)
-    return config.validate(), Path(getattr(args, "out", None) or "runs/train"), False
+            lines = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in clash.items())
+            raise UserError(f"a resumed run keeps its settings; these options contradict {str(path)!r}: {lines}. "
+                            f"Only {', '.join(flag(c) for c in RESUMABLE_CHANGES)} may change")
+        config = saved.replace(**{k: v for k, v in self.given.items() if k in RESUMABLE_CHANGES})
+        return dataclasses.replace(self, config=config.validate())
+
+
+def config_from_args(args: argparse.Namespace) -> TrainRun:
+    """The run from parsed ``train`` arguments (argparse defaults are suppressed: only what the user gave)."""
+    return TrainRun(
+        given={k: v for k, v in vars(args).items() if k not in _NOT_CONFIG},
+        out=getattr(args, "out", None),
+        resume=getattr(args, "resume", None),
+        quiet=getattr(args, "quiet", False),
+        tensorboard=not getattr(args, "no_tensorboard", False),
+    )
 
 
 def _normal(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def run(args: argparse.Namespace, console) -> int:
+def run(run: TrainRun) -> int:
+    from roundalign.console import make_console
     from roundalign.rl.loop import train
 
-    config, out, resume = config_from_args(args)
-    train(config, out, resume=resume, console=console, progress=not getattr(args, "quiet", False),
-          tensorboard=not getattr(args, "no_tensorboard", False))
-    if not getattr(args, "quiet", False):
-        _report(out, console)
-    return 0
+    console = make_console()
+    train(run.config, run.run_dir, resume=run.resume is not None, console=console, progress=not run.quiet,
+          tensorboard=run.tensorboard)
+    if not run.quiet:
+        _report(run.run_dir, run.config, console)
+    return ExitStatus.OK
 
 
-# (metric, label, format) shown at the end of a run, averaged over its last 10 steps
-_REPORT = (("reward/mean", "reward", ".3f"), ("rollout_corr/k3_kl", "k3_kl (trainer vs sampler)", ".2e"),
-           ("mismatch/bitwise_equal_frac", "log-probs bitwise equal", ".1%"),
-           ("sync/visible_fraction", "served weights changed per step", ".1%"),
-           ("sync/lag_steps", "served-copy lag (steps)", ".1f"), ("timing_s/step", "seconds per step", ".2f"))
+# (metric, label, format) shown at the end of a run, averaged over its last 10 steps. The mismatch rows say what they
+# compare: the trainer's recompute against the log-probs the engine returned while sampling (decode), and, with
+# --prefill-check, against the engine's own prefill re-score of the same tokens.
+_REPORT = (
+    ("reward/mean", "reward", ".3f"),
+    ("rollout_corr/k3_kl", "k3_kl, trainer vs sampler's decode log-probs", ".2e"),
+    ("mismatch/bitwise_equal_frac", "bitwise equal, vs decode log-probs", ".1%"),
+    ("prefill/k3_kl", "k3_kl, trainer vs engine prefill", ".2e"),
+    ("prefill/bitwise_equal_frac", "bitwise equal, vs engine prefill", ".1%"),
+    ("sync/visible_fraction", "served weights changed per step", ".1%"),
+    ("sync/lag_steps", "served-copy lag (steps)", ".1f"),
+    ("timing_s/step", "seconds per step", ".2f"),
+)
+_WIDTH = max(len(label) for _, label, _ in _REPORT) + 2
 
 
-def _report(out: Path, console) -> None:
-    """A short summary of the finished run: the last 10 steps' averages, the first and last evaluation, the files."""
+def _report(out: Path, config: TrainConfig, console) -> None:
+    """A short summary of the finished run: what ran, the last 10 steps' averages, the first and last evaluation,
+    the files."""
     from roundalign.rl.logbook import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0][-10:]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    lines = [f"run {out}: {rows[-1]['step']} steps; last {len(steps)} steps on average:"]
+    lines = [
+        f"run {out}: {rows[-1]['step']} steps; trainer profile {config.resolved_trainer_profile}, engine profile "
+        f"{config.engine_profile} ({config.engine_backend} backend), {config.dtype}, --sync {config.sync}"
+        f"{', loss on served weights' if config.resolved_loss_on_served else ''}, --rollout-is {config.rollout_is}",
+        f"last {len(steps)} steps on average:",
+    ]
     for key, label, spec in _REPORT:
         values = [r[key] for r in steps if r.get(key) is not None]
         if values:
-            lines.append(f"  {label:<34} {format(sum(values) / len(values), spec)}")
+            lines.append(f"  {label:<{_WIDTH}} {format(sum(values) / len(values), spec)}")
     if evals:
-        lines.append(f"  {'held-out accuracy (greedy)':<34} {evals[0][1]:.3f} at step {evals[0][0]} -> "
+        lines.append(f"  {'held-out accuracy (greedy)':<{_WIDTH}} {evals[0][1]:.3f} at step {evals[0][0]} -> "
                      f"{evals[-1][1]:.3f} at step {evals[-1][0]}")
     lines.append(f"metrics: {out / 'metrics.jsonl'}; checkpoints: {out / 'checkpoints'} (docs/train.md)")
     console.print("\n".join(lines), markup=False, highlight=False)

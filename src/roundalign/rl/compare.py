@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roundalign.errors import ExitStatus, UserError
 from roundalign.rl.compare_summary import (
     _SHORT,
     GRID_ALIASES,
@@ -51,14 +52,13 @@ _NOT_GRID = {"out": "compare gives each cell its own --out", "resume": "compare 
              "betas": "its value 'b1,b2' holds a comma, which separates grid values; set it in the fixed options"}
 DEFAULT_COMMAND = (sys.executable, "-m", "roundalign.cli", "train")
 LOG_TAIL = 20  # lines of a failed cell's train.log shown in the report
-CELLS_FAILED = 4  # exit status when some cells failed (1-3 are the CLI's missing dependency, usage, diverged)
 
 
 class _TrainParser(argparse.ArgumentParser):
     """``roundalign train``'s parser, raising ValueError instead of exiting, so plan() can name the bad cell."""
 
     def error(self, message):
-        raise ValueError(message)
+        raise UserError(message)
 
 
 def _train_parser() -> _TrainParser:
@@ -88,26 +88,26 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     options = _grid_options()
     valid = ", ".join([*GRID_ALIASES, *sorted(options)])
     if not items:
-        raise ValueError(f"the grid is empty; give KEY=V1,V2 items, with KEY one of: {valid}")
+        raise UserError(f"the grid is empty; give KEY=V1,V2 items, with KEY one of: {valid}")
     grid: dict[str, list[str]] = {}
     for item in items:
         key, sep, values = item.partition("=")
         name = GRID_ALIASES.get(key.strip(), key.strip().replace("-", "_"))
         if not sep or not key.strip():
-            raise ValueError(f"grid item {item!r} is not KEY=V1,V2; KEY is one of: {valid}")
+            raise UserError(f"grid item {item!r} is not KEY=V1,V2; KEY is one of: {valid}")
         if name in _NOT_GRID:
-            raise ValueError(f"{key!r} cannot be a grid key: {_NOT_GRID[name]}")
+            raise UserError(f"{key!r} cannot be a grid key: {_NOT_GRID[name]}")
         if name not in options:
-            raise ValueError(f"unknown grid key {key!r}; valid keys: {valid}")
+            raise UserError(f"unknown grid key {key!r}; valid keys: {valid}")
         if name in grid:
-            raise ValueError(f"grid key {key!r} ({name}) is given twice; list all its values in one item: "
+            raise UserError(f"grid key {key!r} ({name}) is given twice; list all its values in one item: "
                              f"{key}=A,B")
         vals = [v.strip() for v in values.split(",")]
         if not values.strip() or any(not v for v in vals):
-            raise ValueError(f"grid item {item!r} has an empty value; write {key}=A,B with no empty entries")
+            raise UserError(f"grid item {item!r} has an empty value; write {key}=A,B with no empty entries")
         repeated = sorted({v for v in vals if vals.count(v) > 1})
         if repeated:
-            raise ValueError(f"grid item {item!r} repeats {repeated}; each value once")
+            raise UserError(f"grid item {item!r} repeats {repeated}; each value once")
         grid[name] = vals
     return grid
 
@@ -152,7 +152,7 @@ def _boolean(value: str, name: str) -> bool:
         return True
     if v in ("false", "no", "off", "0"):
         return False
-    raise ValueError(f"{name} is on or off: write {name}=true,false (got {value!r})")
+    raise UserError(f"{name} is on or off: write {name}=true,false (got {value!r})")
 
 
 def _safe(text: str) -> str:
@@ -180,20 +180,20 @@ def plan(grid: dict[str, list[str]], fixed_args: list[str]) -> list[Cell]:
     try:
         fixed = _given(list(fixed_args))
     except ValueError as exc:
-        raise ValueError(f"fixed train options {' '.join(fixed_args)!r}: {exc}") from None
+        raise UserError(f"fixed train options {' '.join(fixed_args)!r}: {exc}") from None
     for name in ("out", "resume", "quiet"):
         if name in fixed:
-            raise ValueError(f"drop --{name.replace('_', '-')} from the fixed train options: {_NOT_GRID[name]}")
+            raise UserError(f"drop --{name.replace('_', '-')} from the fixed train options: {_NOT_GRID[name]}")
     clash = sorted(set(grid) & set(fixed))
     if clash:
-        raise ValueError(f"{', '.join('--' + c.replace('_', '-') for c in clash)} is both a grid key and a fixed "
+        raise UserError(f"{', '.join('--' + c.replace('_', '-') for c in clash)} is both a grid key and a fixed "
                          "train option; keep it in one place")
     keys = [k for k in grid if k != "seed"] + (["seed"] if "seed" in grid else [])
     cells = [_cell(list(zip(keys, values, strict=True))) for values in itertools.product(*(grid[k] for k in keys))]
     seen: dict[str, Cell] = {}
     for cell in cells:
         if cell.name in seen:
-            raise ValueError(f"grid cells {seen[cell.name].items} and {cell.items} get the same directory name "
+            raise UserError(f"grid cells {seen[cell.name].items} and {cell.items} get the same directory name "
                              f"{cell.name!r}; use values that differ in letters or digits")
         seen[cell.name] = cell
         train_config(cell, fixed_args)
@@ -205,10 +205,10 @@ def train_config(cell: Cell, fixed_args: list[str]):
     from roundalign.rl.cli import config_from_args
 
     try:
-        config, _, _ = config_from_args(_train_parser().parse_args([*fixed_args, *cell.train_options()]))
+        config = config_from_args(_train_parser().parse_args([*fixed_args, *cell.train_options()])).validate().config
     except (ValueError, TypeError) as exc:
         label = config_label(dict(cell.items))
-        raise ValueError(f"grid cell {cell.name} ({label}) is not a valid run: {exc}") from None
+        raise UserError(f"grid cell {cell.name} ({label}) is not a valid run: {exc}") from None
     return config
 
 
@@ -250,7 +250,7 @@ def _decide(cell: Cell, out: Path, fixed_args: list[str], force: bool) -> str:
         return "run"
     differ = sorted(k for k in want if k != "extra" and saved.get(k, want[k]) != want[k])
     if differ:
-        raise ValueError(f"{run_dir} holds a finished run with other settings ({', '.join(differ)}); use another "
+        raise UserError(f"{run_dir} holds a finished run with other settings ({', '.join(differ)}); use another "
                          "--out, or --force to replace it")
     return "skip"
 
@@ -279,7 +279,7 @@ def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1,
     anything when a cell's directory holds a finished run of other settings.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+        raise UserError(f"jobs must be an int >= 1, got {jobs!r}")
     out = Path(out)
     command = list(DEFAULT_COMMAND if command is None else command)
     todo = []
@@ -353,35 +353,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="after '--': options passed to every roundalign train run, e.g. -- --steps 40 --engine-profile sglang")
 
 
-def run(args: argparse.Namespace, console) -> int:
-    """Plan, run, summarize and plot; 0 when every cell ran, ``CELLS_FAILED`` when some failed (the rest is still
-    summarized and plotted)."""
-    from roundalign.rl.compare_plots import plot
+@dataclass(frozen=True)
+class CompareConfig:
+    """``roundalign compare``'s options: the grid, where it goes, and the train options every run shares."""
 
-    out = Path(args.out)
+    grid: tuple[str, ...] | None = None
+    out: str = "runs/compare"
+    jobs: int = 1
+    force: bool = False
+    plots_only: bool = False
+    smooth: int = 5
+    train_args: tuple[str, ...] = ()
+
+    def validate(self) -> CompareConfig:
+        if self.plots_only:
+            given = [f for f, v in (("--grid", self.grid), ("--force", self.force), ("-- TRAIN_OPTIONS",
+                                    self.train_args), ("--jobs", self.jobs != 1)) if v]
+            if given:
+                raise UserError(f"--plots-only runs nothing, so {', '.join(given)} would be ignored; drop them")
+            return self
+        if not self.grid:
+            raise UserError("--grid is required (or --plots-only to redo the summary and plots of --out)")
+        if self.jobs < 1:
+            raise UserError(f"--jobs must be >= 1, got {self.jobs}")
+        if self.smooth < 1:
+            raise UserError(f"--smooth must be >= 1 (1: none), got {self.smooth}")
+        return self
+
+
+def config_from_args(args: argparse.Namespace) -> CompareConfig:
     fixed = list(args.train_args or [])
     if fixed[:1] == ["--"]:
         fixed = fixed[1:]
-    status = 0
-    if not args.plots_only:
-        if not args.grid:
-            raise ValueError("--grid is required (or --plots-only to redo the summary and plots of --out)")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-        grid = parse_grid(args.grid)
+    return CompareConfig(grid=tuple(args.grid) if args.grid else None, out=args.out, jobs=args.jobs, force=args.force,
+                         plots_only=args.plots_only, smooth=args.smooth, train_args=tuple(fixed))
+
+
+def run(config: CompareConfig) -> int:
+    """Plan, run, summarize and plot; 0 when every cell ran, ``ExitStatus.RUNS_FAILED`` when some failed (the rest
+    is still summarized and plotted)."""
+    from roundalign.console import make_console
+    from roundalign.rl.compare_plots import plot
+
+    console = make_console()
+    out = Path(config.out)
+    fixed = list(config.train_args)
+    status = ExitStatus.OK
+    if not config.plots_only:
+        grid = parse_grid(list(config.grid))
         cells = plan(grid, fixed)
         out.mkdir(parents=True, exist_ok=True)
         (out / "grid.json").write_text(json.dumps({"grid": grid, "fixed_args": fixed,
                                                    "cells": [c.name for c in cells]}, indent=2) + "\n")
         _say(console, f"{len(cells)} run(s) planned into {out}/")
         try:
-            run_grid(cells, out, fixed, jobs=args.jobs, console=console, force=args.force)
+            run_grid(cells, out, fixed, jobs=config.jobs, console=console, force=config.force)
         except GridError as exc:
             _say(console, f"[red]{exc}[/red]")
-            status = CELLS_FAILED
+            status = ExitStatus.RUNS_FAILED
     runs = load_runs(out)
     summary = summarize(runs, out)
-    paths = plot(runs, out, smooth=args.smooth)
+    paths = plot(runs, out, smooth=config.smooth)
     _say(console, summary.read_text(), markup=False)
     _say(console, f"summary: {summary} (and summary.json); plots: {len(paths)} PNG in {out / 'plots'}/")
     return status

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from roundalign.errors import UserError
 from roundalign.rl.compare_summary import Run, group_runs
 
 
@@ -165,9 +166,9 @@ def _smoothing_note(window: int) -> str:
 def plot(runs: list[Run], out: Path, smooth: int = 5) -> list[Path]:
     """One PNG per metric in ``out/plots/`` and ``overview.png`` (all panels); return their paths."""
     if not runs:
-        raise ValueError("no runs to plot")
+        raise UserError("no runs to plot")
     if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
-        raise ValueError(f"smooth is a window of steps, an int >= 1 (1: no smoothing), got {smooth!r}")
+        raise UserError(f"smooth is a window of steps, an int >= 1 (1: no smoothing), got {smooth!r}")
     smooth = smoothing_window(runs, smooth)
     plt = _pyplot()
     folder = Path(out) / "plots"

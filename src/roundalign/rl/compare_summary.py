@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign.errors import UserError
 from roundalign.rl.logbook import read_metrics
 
 GRID_ALIASES = {"trainer": "trainer_profile", "engine": "engine_profile", "is": "rollout_is"}
@@ -59,7 +60,7 @@ def load_runs(out: Path) -> list[Run]:
     out = Path(out)
     dirs = sorted(p.parent for p in out.glob("*/metrics.jsonl"))
     if not dirs:
-        raise ValueError(f"no runs in {out}: no {out}/<cell>/metrics.jsonl; run the grid first (drop --plots-only)")
+        raise UserError(f"no runs in {out}: no {out}/<cell>/metrics.jsonl; run the grid first (drop --plots-only)")
     grid_file = out / "grid.json"
     order = json.loads(grid_file.read_text()).get("cells", []) if grid_file.is_file() else []
     dirs.sort(key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
@@ -132,7 +133,7 @@ def summary_metrics(runs: list[Run]) -> tuple[tuple[str, str], ...]:
 def summarize(runs: list[Run], out: Path) -> Path:
     """Write out/summary.md (a table, one row per configuration) and out/summary.json; return the .md path."""
     if not runs:
-        raise ValueError("no runs to summarize")
+        raise UserError("no runs to summarize")
     out = Path(out)
     grid_file = out / "grid.json"
     grid = json.loads(grid_file.read_text()) if grid_file.is_file() else {}

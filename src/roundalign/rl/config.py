@@ -12,14 +12,17 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from roundalign.engine import BACKENDS, check_backend
+from roundalign.errors import UserError, flag
+from roundalign.numerics import dtypes
 from roundalign.numerics.correction import ISCorrection
 from roundalign.profiles import get_profile
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 
 OPTIMIZERS = ("adamw", "sgd")
-DTYPES = ("bfloat16", "float16")
-ENGINE_BACKENDS = ("kernels", "inductor")
+DTYPES = tuple(dtypes.BY_NAME)
+ENGINE_BACKENDS = BACKENDS
 TRAINER_SAME_AS_ENGINE = "engine"  # --trainer-profile engine: round where the engine does (the aligned trainer)
 
 
@@ -93,7 +96,7 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"config has unknown setting(s) {unknown}; it was written by another roundalign version")
+            raise UserError(f"config has unknown setting(s) {unknown}; it was written by another roundalign version")
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
@@ -103,7 +106,8 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> TrainConfig:
-        """Raise ``ValueError`` naming the first bad setting and the fix; return ``self`` when all is well."""
+        """Raise ``UserError`` naming the first bad setting (as its command-line option) and the fix; return ``self``
+        when all is well."""
         _positive_int(self.steps, "steps")
         _positive_int(self.prompts_per_step, "prompts_per_step")
         _positive_int(self.max_tokens, "max_tokens")
@@ -113,66 +117,76 @@ class TrainConfig:
         for name in ("eval_every", "save_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0 = never), got {v!r}")
+                raise UserError(f"{flag(name)} must be an int >= 0 (0 = never), got {v!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"group_size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "
+            raise UserError(f"--group-size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "
                              "completion's reward against the other completions of its prompt")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
+            raise UserError(f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
                              "completion of a group identical, so every advantage is 0 and nothing is learned")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
         for name in named:
             try:
                 get_profile(getattr(self, name))
             except (KeyError, ValueError) as exc:
-                raise ValueError(f"{name}: {exc}") from None
+                raise UserError(f"{flag(name)}: {exc}") from None
         _choice(self.engine_backend, ENGINE_BACKENDS, "engine_backend")
+        try:
+            check_backend(self.engine_backend, self.engine_profile)
+        except UserError as exc:
+            raise UserError(f"--engine-backend {self.engine_backend}: {exc}") from None
         _choice(self.loss_type, LOSS_TYPES, "loss_type")
         _choice(self.optimizer, OPTIMIZERS, "optimizer")
         _choice(self.dtype, DTYPES, "dtype")
         _choice(self.sync, SYNC_MODES, "sync")
         if self.loss_type == "reinforce":
             if self.inner_epochs != 1:
-                raise ValueError(f"inner_epochs={self.inner_epochs} with loss_type=reinforce: plain REINFORCE has no "
+                raise UserError(f"--inner-epochs {self.inner_epochs} with --loss-type reinforce: plain REINFORCE has "
+                                f"no "
                                  "ratio to clip, so a second pass over the same rollouts is off-policy with nothing to "
-                                 "correct it; use loss_type=grpo (PPO-clip) for several inner epochs")
+                                 "correct it; use --loss-type grpo (PPO-clip) for several inner epochs")
             if self.clip_eps is not None or self.clip_eps_high is not None:
-                raise ValueError("clip_eps / clip_eps_high apply to loss_type=grpo (PPO-clip); plain REINFORCE "
-                                 "does not clip: drop them or use loss_type=grpo")
+                raise UserError("--clip-eps / --clip-eps-high apply to --loss-type grpo (PPO-clip); plain REINFORCE "
+                                 "does not clip: drop them or use --loss-type grpo")
         eps = self.resolved_clip_eps
         if not 0 < eps < 1 or (self.clip_eps_high is not None and not 0 < self.clip_eps_high):
-            raise ValueError(f"clip_eps must be in (0, 1) and clip_eps_high > 0, got {eps!r} / {self.clip_eps_high!r}")
+            raise UserError(f"--clip-eps must be in (0, 1) and --clip-eps-high > 0, got {eps!r} / "
+                            f"{self.clip_eps_high!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+            raise UserError(f"--lr must be > 0, got {self.lr!r}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
-            raise ValueError(f"grad_clip must be >= 0 (0 = no clipping), got {self.grad_clip!r}")
+            raise UserError(f"--grad-clip must be >= 0 (0 = no clipping), got {self.grad_clip!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+            raise UserError(f"--betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.optimizer == "sgd" and tuple(self.betas) != (0.9, 0.999):
-            raise ValueError("betas apply to adamw only; drop them or use optimizer=adamw")
-        self.correction()  # raises on a bad mode or threshold
+            raise UserError("--betas apply to --optimizer adamw only; drop them or use --optimizer adamw")
+        try:
+            self.correction()  # the library's check of the mode and threshold
+        except ValueError as exc:
+            raise UserError(f"--rollout-is {self.rollout_is} --rollout-is-threshold {self.rollout_is_threshold}: "
+                            f"{exc}") from None
         if self.loss_on_served and self.sync == "rne":
-            raise ValueError("loss_on_served with sync=rne changes nothing: the trainer's compute copy already is "
+            raise UserError("--loss-on-served with --sync rne changes nothing: the trainer's compute copy already is "
                              "the RNE cast of the master, which is exactly what rne serves. Use --sync stochastic or "
                              "--sync error-feedback (where loss_on_served is on by default), or drop --loss-on-served")
         if self.dtype == "float16":
             if not (math.isfinite(self.loss_scale) and self.loss_scale >= 1):
-                raise ValueError(f"loss_scale must be >= 1, got {self.loss_scale!r}")
+                raise UserError(f"--loss-scale must be >= 1, got {self.loss_scale!r}")
             _positive_int(self.loss_scale_growth_interval, "loss_scale_growth_interval")
             if self.engine_backend != "kernels":
-                raise ValueError("dtype=float16 runs the engine's kernels backend; drop --engine-backend inductor")
+                raise UserError("--dtype float16 runs the engine's kernels backend; drop --engine-backend inductor")
         return self
 
 
 def _positive_int(v, name: str) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        raise UserError(f"{flag(name)} must be an int >= 1, got {v!r}")
 
 
 def _choice(v, choices, name: str) -> None:
     if v not in choices:
-        raise ValueError(f"unknown {name} {v!r}; choose one of {', '.join(choices)}")
+        raise UserError(f"unknown {flag(name)} {v!r}; choose one of {', '.join(choices)}")

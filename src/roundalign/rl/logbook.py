@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from roundalign.errors import UserError
+
 
 def read_metrics(path: Path) -> list[dict]:
     """A metrics.jsonl, one dict per step in step order; [] when there is none yet. A step logged twice (a run
@@ -27,9 +29,9 @@ def read_metrics(path: Path) -> list[dict]:
             row = json.loads(line)
             step = row["step"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{i}: not a metrics line ({exc}); expected a JSON object with a 'step'") from None
+            raise UserError(f"{path}:{i}: not a metrics line ({exc}); expected a JSON object with a 'step'") from None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{path}:{i}: step must be an int >= 0, got {step!r}")
+            raise UserError(f"{path}:{i}: step must be an int >= 0, got {step!r}")
         by_step[step] = row
     return [by_step[s] for s in sorted(by_step)]
 

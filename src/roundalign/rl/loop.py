@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine import Engine, SamplingParams
+from roundalign.errors import ExitStatus, Failure
 from roundalign.numerics.correction import is_weights
 from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
@@ -48,8 +49,10 @@ PREFILL_KEYS = ("rollout_corr/k3_kl", "mismatch/log_ratio_rms", "mismatch/bitwis
                 "mismatch/log_ratio_max_abs")
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(Failure, RuntimeError):
     """A non-finite loss or gradient stopped the run; the message names the step, the quantity and the checkpoint."""
+
+    status = ExitStatus.DIVERGED
 
 
 def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

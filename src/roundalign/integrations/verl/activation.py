@@ -25,6 +25,7 @@ import os
 import sys
 
 from roundalign.integrations.verl import hooks
+from roundalign.sync import MODES as SYNC_MODES
 
 ENV_PROFILE, ENV_SYNC, ENV_SEED = "ROUNDALIGN_PROFILE", "ROUNDALIGN_SYNC", "ROUNDALIGN_SYNC_SEED"
 ENV_VARS = (ENV_PROFILE, ENV_SYNC, ENV_SEED)
@@ -45,8 +46,8 @@ def settings_from_env(environ=None) -> dict | None:
     if profile is not None:
         profile = Profile.load(profile) if profile.endswith(".json") else roundalign.get_profile(profile)
     sync = raw[ENV_SYNC] or None
-    if sync is not None and sync not in ("rne", "stochastic", "error-feedback"):
-        raise ValueError(f"{ENV_SYNC}={sync!r}: choose rne, stochastic or error-feedback (or leave it unset)")
+    if sync is not None and sync not in SYNC_MODES:
+        raise ValueError(f"{ENV_SYNC}={sync!r}: choose {', '.join(SYNC_MODES)} (or leave it unset)")
     try:
         seed = int(raw[ENV_SEED] or 0)
     except ValueError:

@@ -25,10 +25,10 @@ import warnings
 
 from roundalign.integrations.verl.export import ShardExporter, flat_offset
 from roundalign.integrations.verl.seam import import_families, patch_actor
+from roundalign.sync import MODES as SYNC_MODES
 
 logger = logging.getLogger(__name__)
 
-_SYNC_MODES = ("rne", "stochastic", "error-feedback")
 _state: dict = {}  # what install() replaced: {"originals": [(owner, attr, value)], "profile", "sync", "seed"}
 
 
@@ -46,8 +46,8 @@ def install(profile=None, sync: str | None = None, seed: int = 0, **region_overr
     """
     import roundalign
 
-    if sync is not None and sync not in _SYNC_MODES:
-        raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(_SYNC_MODES)}")
+    if sync is not None and sync not in SYNC_MODES:
+        raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(SYNC_MODES)}")
     if profile is not None:
         profile = roundalign.get_profile(profile).replace(**region_overrides)  # a bad name or rule fails here
     wanted = {"profile": profile, "sync": sync, "seed": seed}

@@ -34,8 +34,8 @@ import logging
 from dataclasses import dataclass, field
 
 import roundalign
-from roundalign.patch import supported_model_types
-from roundalign.patch.registry import FAMILIES
+from roundalign.errors import UnsupportedModel
+from roundalign.patch import family_of, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,16 @@ def patch_actor(module, profile="vllm", **region_overrides) -> PatchReport:
 
     Call it where verl patches the model: after Liger and ``apply_monkey_patch``, before ``module.to(dtype)`` and FSDP
     (``roundalign.integrations.verl.install`` puts it there). ``region_overrides`` go to ``roundalign.apply``.
-    Raises ``ValueError`` for an unsupported model type and ``RuntimeError`` when a module cannot be reached.
+    Raises ``UnsupportedModel`` (a ``ValueError``) for an unsupported model and ``RuntimeError`` when a module cannot be reached.
     """
     config = getattr(module, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in supported_model_types():
-        raise ValueError(
-            f"roundalign cannot align verl's {type(module).__name__} (model_type {model_type!r}); supported: "
-            f"{', '.join(supported_model_types())}. Unset ROUNDALIGN_PROFILE for this run."
-        )
-    family = _family(model_type)
+    try:
+        # The family module refuses to register classes another library rebound in transformers (ImportError):
+        # ROUNDALIGN_* activation imports every family (import_families) before verl applies Liger.
+        family = family_of(module)
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"verl's {type(module).__name__}: {exc}. Unset ROUNDALIGN_PROFILE for this run.") from None
+    model_type = config.model_type
     report = PatchReport(profile=roundalign.get_profile(profile).name, model_type=model_type)
     _undo_liger(module, family, report)
     roundalign.apply(module, profile, allow_non_bf16=True, **region_overrides)  # fp32 here; bf16 compute under FSDP
@@ -105,13 +105,6 @@ def import_families() -> None:
     """Import every family module now, so each binds the real HF classes before Liger rebinds them in transformers."""
     for model_type in supported_model_types():
         importlib.import_module(f"roundalign.patch.{model_type}")
-
-
-def _family(model_type: str):
-    # The family module refuses to register classes another library rebound in transformers (ImportError):
-    # ROUNDALIGN_* activation imports every family before verl applies Liger.
-    importlib.import_module(f"roundalign.patch.{model_type}")
-    return FAMILIES[model_type]
 
 
 def _undo_liger(module, family, report: PatchReport) -> None:

@@ -12,6 +12,13 @@ only this region's trainer rule. ``alone`` is the mismatch that region causes wh
 agrees, and ``alone_share = alone / base``. One differing rounding point anywhere makes every later value differ
 a little, so a region often closes little of the gap when switched alone yet causes much of it when alone.
 
+A share is a fraction of the gap ``base - target``, so it means something only when there is a gap: when the
+engine profile brings the metric no closer than the trainer profile (``target >= base``), or closer by less than
+``MIN_GAP`` of ``base``, any region that moves ``value`` by a few percent of ``base`` (as any change of rounding
+does) reads as a share of tens or thousands of percent, of either sign. The entry then says why in
+``share_undefined``, and the table and the plot show no share for it; the raw ``share`` stays in the report.
+``alone_share`` is a fraction of ``base``, not of the gap, and stays meaningful.
+
 Per layer: the probe compares the residual stream after each decoder layer, trainer vs engine, in prefill
 (``roundalign.numerics.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
 """
@@ -21,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roundalign import support
-from roundalign.probe.report import region_share
 from roundalign.profiles import REGIONS, Profile, get_profile
 
 # The metric the shares are computed on: RMS of the per-token log-ratio, in nats. Unlike k3_kl it is linear in
@@ -29,6 +35,20 @@ from roundalign.profiles import REGIONS, Profile, get_profile
 SHARE_METRIC = "mismatch/log_ratio_rms"
 # What each region entry keeps besides the share metric.
 KEPT_METRICS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "sampling/sampling_logp_difference/max")
+# The smallest gap base - target, as a fraction of base, that the switch shares are computed against.
+MIN_GAP = 0.1
+
+
+
+def region_share(base: float, value: float, target: float) -> float | None:
+    """Share of the base-to-target gap one region closes: (base - value) / (base - target); None if base == target.
+
+    Shares need not sum to 1 and may fall outside [0, 1]: regions interact (one region's rounding can hide or
+    amplify another's), which is itself worth seeing.
+    """
+    if base == target:
+        return None
+    return (base - value) / (base - target)
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,24 @@ def missing_regions(config) -> list[str]:
     return [r for r in REGIONS if not _region_in_model(r, config)]
 
 
+def share_undefined(base: float | None, target: float | None) -> str | None:
+    """Why the shares of the gap from ``base`` to ``target`` are meaningless (short, for the table), or None."""
+    if base is None or target is None:
+        return "metric undefined"
+    if target >= base:
+        return "target not closer"
+    if base - target < MIN_GAP * abs(base):
+        return f"gap < {MIN_GAP:.0%} of base"
+    return None
+
+
+def entry_share_undefined(entry: dict) -> str | None:
+    """An attribution entry's ``share_undefined``, computed from base and target for a report written without it."""
+    if "share_undefined" in entry:
+        return entry["share_undefined"]
+    return share_undefined(entry["base"], entry["target"])
+
+
 def attribution_entry(
     *,
     base: Profile,
@@ -123,4 +161,5 @@ def attribution_entry(
         "base": b,
         "target": t,
         "regions": regions,
+        "share_undefined": share_undefined(b, t),
     }

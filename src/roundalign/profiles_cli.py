@@ -1,0 +1,135 @@
+"""``roundalign profiles``: the built-in rounding profiles, side by side, or one in detail.
+
+    roundalign profiles                 # every built-in profile: engines covered, one formula per region
+    roundalign profiles --sources       # ... plus where each profile was read
+    roundalign profiles vllm            # one profile in detail: rule, formula, whether it differs from HF
+    roundalign profiles fit-out/profile.json     # a profile file, in detail
+    roundalign profiles --json          # all profiles as JSON (a list of Profile.to_dict())
+
+Formulas use the notation of docs/engine-rounding.md: ``r(.)`` rounds fp32 to bf16, everything inside one
+``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``. The tables need ``rich`` (the ``[cli]`` extra); ``--json``
+works without it. This module imports neither torch nor transformers, so it answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from roundalign.errors import ExitStatus, UserError
+from roundalign.profiles import REGIONS, Profile, get_profile, list_profiles
+
+CAPTION = "r(.) rounds fp32 to bf16; nu(x) = rsqrt(mean(x^2) + eps); dim = same as stock HF"
+
+
+@dataclass(frozen=True)
+class ProfilesConfig:
+    """``roundalign profiles``'s options: one profile (a name or a .json file) or all; a source column; JSON."""
+
+    name: str | None = None
+    sources: bool = False
+    json: bool = False
+
+    def validate(self) -> ProfilesConfig:
+        if self.name is not None:
+            get_profile(self.name)  # an unknown name or a bad file: UserError naming the choices
+        if self.sources and self.name is not None:
+            raise UserError("--sources adds a column to the overview; one profile's detail shows its source already")
+        return self
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())}), "
+                        "or a profile .json file")
+    parser.add_argument("--sources", action="store_true", help="add the column saying where each profile was read")
+    parser.add_argument("--json", action="store_true", help="print JSON (Profile.to_dict) instead of a table")
+
+
+def config_from_args(args: argparse.Namespace) -> ProfilesConfig:
+    return ProfilesConfig(name=args.name, sources=args.sources, json=args.json)
+
+
+def _display(formula: str) -> str:
+    # "R=r(a+h); norm(R)" and SGLang's "head_dim in {...}: ...; else ..." read better on two lines.
+    return formula.replace("; ", ";\n")
+
+
+def _cell(p: Profile, region: str, formula: str) -> str:
+    # Rules that stock HF shares are dimmed, so what a profile changes stands out.
+    text = _display(formula)
+    return text if getattr(p, region) != getattr(get_profile("hf"), region) else f"[dim]{text}[/dim]"
+
+
+def _wide_table(profiles: list[Profile], sources: bool):
+    from rich.table import Table
+
+    table = Table(title="roundalign built-in profiles", caption=CAPTION, show_lines=True)
+    table.add_column("profile", style="bold cyan", no_wrap=True)
+    table.add_column("engines", min_width=20, ratio=1)
+    for region in REGIONS:
+        table.add_column(region, no_wrap=True)  # a formula is never folded: it reads whole or goes per profile
+    if sources:
+        table.add_column("source", min_width=20, ratio=1, style="dim", overflow="fold")
+    for p in profiles:
+        formulas = p.describe()
+        table.add_row(p.name, p.engines, *(_cell(p, r, formulas[r]) for r in REGIONS), *([p.source] if sources else []))
+    return table
+
+
+def _profile_table(p: Profile, sources: bool):
+    """One profile as a region | formula table: fits 80 columns (its widest formula line is under 50)."""
+    from rich.table import Table
+
+    caption = f"source: {p.source}" if sources else None
+    table = Table(title=f"[bold cyan]{p.name}[/]: {p.engines}", caption=caption, title_justify="left",
+                  caption_justify="left")
+    table.add_column("region", no_wrap=True)
+    table.add_column("formula", no_wrap=True)
+    for region, formula in p.describe().items():
+        table.add_row(region, _cell(p, region, formula))
+    return table
+
+
+def overview(profiles: list[Profile], sources: bool, console) -> list:
+    """Every profile side by side when the console is wide enough to show every formula whole, else one small table
+    per profile."""
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    wide = _wide_table(profiles, sources)
+    if Measurement.get(console, console.options.update_width(10_000), wide).minimum <= console.width:
+        return [wide]
+    return [*(_profile_table(p, sources) for p in profiles), Text(CAPTION, style="dim")]
+
+
+def detail(p: Profile):
+    from rich.table import Table
+
+    hf = get_profile("hf")
+    table = Table(title=f"profile {p.name}", caption=f"engines: {p.engines}\nsource: {p.source}", show_lines=True)
+    table.add_column("region", style="bold cyan", no_wrap=True)
+    table.add_column("rule", no_wrap=True)
+    table.add_column("formula", no_wrap=True)
+    table.add_column("differs from HF", no_wrap=True)
+    for region, text in p.describe().items():
+        rule = getattr(p, region)
+        table.add_row(region, str(rule), _display(text), "yes" if rule != getattr(hf, region) else "no")
+    table.add_row("rope angles", str(p.rope_angles), "inv_freq " + ("from the config, fp32" if str(p.rope_angles) ==
+                  "fp32" else "the rotary module's buffer"), "yes" if p.rope_angles != hf.rope_angles else "no")
+    return table
+
+
+def run(config: ProfilesConfig) -> int:
+    from roundalign.console import make_console
+
+    profiles = [get_profile(config.name)] if config.name is not None else [get_profile(n) for n in list_profiles()]
+    if config.json:
+        # One profile is a single object (Profile.load reads it back); all of them, a list.
+        data = profiles[0].to_dict() if config.name is not None else [p.to_dict() for p in profiles]
+        print(json.dumps(data, indent=2))
+        return ExitStatus.OK
+    console = make_console()
+    for renderable in [detail(profiles[0])] if config.name is not None else overview(profiles, config.sources, console):
+        console.print(renderable)
+    return ExitStatus.OK
