@@ -1,4 +1,4 @@
-# roundalign: make test | make demo (roundalign probe) | make lint | make bench
+# roundalign: make test | make demo (roundalign probe) | make lint | make format | make bench
 #
 # Every target that runs code first makes .venv (python3 -m venv) and installs into it, once:
 #   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
@@ -18,7 +18,7 @@ PY    := $(VENV)/bin/python
 PIP   := $(PY) -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint format-check clean-venv bench
+.PHONY: install test demo lint format clean-venv bench
 
 install: $(STAMP)
 
@@ -48,12 +48,14 @@ bench: $(STAMP)
 	$(PY) benchmarks/model_step.py --json "$$tmp/model.json" && \
 	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --out docs/benchmarks.md
 
+# ruff is pinned in the [dev] extra: another ruff version may format the same code differently.
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 
-# Not part of lint yet: not every module is ruff-formatted.
-format-check: $(STAMP)
-	$(PY) -m ruff format --check src tests
+format: $(STAMP)
+	$(PY) -m ruff format src tests benchmarks
+	$(PY) -m ruff check --fix src tests benchmarks
 
 clean-venv:
 	rm -rf $(VENV)

@@ -75,10 +75,15 @@ def machine_info() -> dict:
 
 if __name__ == "__main__":
     info = machine_info()
-    print(f"== machine: {info['cpu']}; ISA {' '.join(info['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; torch CPU "
-          f"capability {info['torch_cpu_capability']}; oneDNN bf16 GEMMs {'yes' if info['onednn_bf16'] else 'no'}; "
-          f"bf16 GEMM rows depend on the row count: {'yes' if info['gemm_rows_depend_on_row_count'] else 'no'}; "
-          f"{info['logical_cpus']} CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
-          f"transformers {info['transformers']}, Python {info['python']}"
-          + "".join(f"; {k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
-                    if k in os.environ))
+    print(
+        f"== machine: {info['cpu']}; ISA {' '.join(info['isa']) or 'none of ' + ' '.join(ISA_FLAGS)}; torch CPU "
+        f"capability {info['torch_cpu_capability']}; oneDNN bf16 GEMMs {'yes' if info['onednn_bf16'] else 'no'}; "
+        f"bf16 GEMM rows depend on the row count: {'yes' if info['gemm_rows_depend_on_row_count'] else 'no'}; "
+        f"{info['logical_cpus']} CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
+        f"transformers {info['transformers']}, Python {info['python']}"
+        + "".join(
+            f"; {k}={os.environ[k]}"
+            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+            if k in os.environ
+        )
+    )

@@ -36,13 +36,21 @@ def _model(args):
         except (ImportError, ValueError, FileNotFoundError) as e:
             print(f"(no shipped tiny-qwen3: {e}; using a random tiny Qwen3)")
     if path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                                  attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
         return model.eval(), str(path)
     torch.manual_seed(args.seed)
-    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
-                                      max_position_embeddings=1024)
+    config = transformers.Qwen3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval(), "random Qwen3 (hidden 256, 4 layers, head_dim 64, vocab 512)"
 
@@ -53,8 +61,13 @@ def _hf_runner(model, prompts, args):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-padded, as HF generate wants
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     gen = transformers.GenerationConfig(
-        do_sample=args.temperature > 0, temperature=args.temperature or None, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=pad,
+        do_sample=args.temperature > 0,
+        temperature=args.temperature or None,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_tokens,
+        min_new_tokens=args.max_tokens,
+        pad_token_id=pad,
         eos_token_id=model.config.eos_token_id,
     )
 
@@ -67,8 +80,14 @@ def _hf_runner(model, prompts, args):
 
 
 def _engine_runner(engine, prompts, args):
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=True,
+    )
 
     def run() -> int:
         return sum(len(o.token_ids) for o in engine.generate(prompts, params))
@@ -118,15 +137,21 @@ def main() -> None:
             tokens[name] = run()
             seconds[name].append(time.perf_counter() - t0)
 
-    print(f"machine: {cpu_model()} ({' '.join(isa_flags())}), {os.cpu_count()} cores, "
-          f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f} at the end; "
-          f"torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"model: {desc}; batch {args.batch}, prompts {min(lengths)}-{max(lengths)} tokens, "
-          f"{args.max_tokens} new tokens each")
+    print(
+        f"machine: {cpu_model()} ({' '.join(isa_flags())}), {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f} at the end; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )
+    print(
+        f"model: {desc}; batch {args.batch}, prompts {min(lengths)}-{max(lengths)} tokens, "
+        f"{args.max_tokens} new tokens each"
+    )
     for b, eng in engines.items():
         if eng.compile_stats["graphs"]:
-            print(f"engine {b}: compiled {eng.compile_stats['graphs']} graph(s), {eng.compile_stats['pieces']} "
-                  f"pieces in {eng.compile_stats['seconds']:.1f} s (warm-up round, not counted)")
+            print(
+                f"engine {b}: compiled {eng.compile_stats['graphs']} graph(s), {eng.compile_stats['pieces']} "
+                f"pieces in {eng.compile_stats['seconds']:.1f} s (warm-up round, not counted)"
+            )
     hf = tokens["hf generate"] / statistics.median(seconds["hf generate"][1:])
     for name in runners:
         rate = tokens[name] / statistics.median(seconds[name][1:])

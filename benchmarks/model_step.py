@@ -164,8 +164,11 @@ def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int)
     trainers = {}
     for variant in VARIANTS:
         profile, _, fused = variant.partition("+")
-        model = base if variant == "stock" else roundalign.apply(copy.deepcopy(base), profile,
-                                                                  compile_ops=fused == "compile_ops")
+        model = (
+            base
+            if variant == "stock"
+            else roundalign.apply(copy.deepcopy(base), profile, compile_ops=fused == "compile_ops")
+        )
         if mode == "compiled":
             model.compile()
         trainers[variant] = Trainer(model, ids)
@@ -213,8 +216,12 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny-qwen3 at 2 x 32 tokens, 2 rounds: a smoke run")
-    ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default: 12 for tiny-qwen3, "
-                    "8 or 6 for the 0.6B shape, 2 with --quick)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds per case, the first is warm-up (default: 12 for tiny-qwen3, "
+        "8 or 6 for the 0.6B shape, 2 with --quick)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager,compiled")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)
@@ -232,8 +239,10 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
 
     machine = machine_info()
-    print(f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {machine['torch_threads']} torch "
-          f"threads, torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}")
+    print(
+        f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {machine['torch_threads']} torch "
+        f"threads, torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}"
+    )
     print(f"{PASS}: forward + backward + AdamW; round 1 warm-up; medians; ratios to stock in the same run")
     rows = []
     for name, batch, seq, case_modes, case_rounds in QUICK_CASES if args.quick else FULL_CASES:

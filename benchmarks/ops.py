@@ -76,9 +76,15 @@ def _leaf(*shape, dtype=torch.bfloat16, scale=1.0, shift=0.0):
 
 def _config(model: str) -> transformers.Qwen3Config:
     hidden, inter, heads, kv, head_dim = MODELS[model]
-    return transformers.Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                                    num_key_value_heads=kv, head_dim=head_dim, num_hidden_layers=1,
-                                    rope_parameters={"rope_theta": ROPE_THETA, "rope_type": "default"})
+    return transformers.Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        rope_parameters={"rope_theta": ROPE_THETA, "rope_type": "default"},
+    )
 
 
 def variants(op: str, model: str, seq: int) -> list[Variant]:
@@ -94,9 +100,13 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
         out = [Variant("stock", lambda x, w: norm(x), (x, norm.weight))]
         for rule in ("round_before_weight", "round_after_weight"):
             for c in (False, True):
-                out.append(Variant(rule + FUSED[c], lambda x, w, rule=rule, c=c: ops.rms_norm(x, w, EPS, rule,
-                                                                                              compiled=c),
-                                   (x, norm.weight)))
+                out.append(
+                    Variant(
+                        rule + FUSED[c],
+                        lambda x, w, rule=rule, c=c: ops.rms_norm(x, w, EPS, rule, compiled=c),
+                        (x, norm.weight),
+                    )
+                )
         return out
     if op == "add_rms_norm":
         norm = hf.Qwen3RMSNorm(hidden, eps=EPS).to(torch.bfloat16)
@@ -111,17 +121,27 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
 
         out = [Variant("stock", stock, (a, h, norm.weight))]
         # hf, te, sglang/aligned, vllm, and the whole-graph compiled rule no profile uses yet.
-        pairs = [("round_before_weight", "normalize_rounded_sum"), ("round_after_weight", "normalize_rounded_sum"),
-                 ("round_after_weight", "normalize_fp32_sum"), ("round_after_weight", "round_at_attention"),
-                 ("round_after_weight", "never_round")]
+        pairs = [
+            ("round_before_weight", "normalize_rounded_sum"),
+            ("round_after_weight", "normalize_rounded_sum"),
+            ("round_after_weight", "normalize_fp32_sum"),
+            ("round_after_weight", "round_at_attention"),
+            ("round_after_weight", "never_round"),
+        ]
         for (norm_rule, res_rule), c in itertools.product(pairs, (False, True)):
+
             def aligned(a, h, w, norm_rule=norm_rule, res_rule=res_rule, c=c):
                 rounded, x = ops.residual_add(a, h, res_rule, compiled=c)  # (R, what the norm reads)
                 carried = x if res_rule in ("round_at_attention", "never_round") else rounded
                 return ops.rms_norm(x, w, EPS, norm_rule, out_dtype=rounded.dtype, compiled=c), carried
 
-            out.append(Variant(f"{norm_rule}/{res_rule}{FUSED[c]}", aligned,
-                               (a, h32 if res_rule == "never_round" else h, norm.weight)))
+            out.append(
+                Variant(
+                    f"{norm_rule}/{res_rule}{FUSED[c]}",
+                    aligned,
+                    (a, h32 if res_rule == "never_round" else h, norm.weight),
+                )
+            )
         return out
     if op == "rope":
         rotary = hf.Qwen3RotaryEmbedding(cfg)
@@ -136,10 +156,13 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
         out = [Variant("stock", stock, (q, k, cos16, sin16))]
         for cs, (cos, sin) in (("bf16", (cos16, sin16)), ("fp32", (cos32, sin32))):
             for rounding, c in itertools.product(("per_op", "once"), (False, True)):
+
                 def aligned(q, k, cos, sin, rounding=rounding, c=c):  # as AlignedAttention runs it
                     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-                    return (ops.rope(q.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c),
-                            ops.rope(k.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c))
+                    return (
+                        ops.rope(q.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c),
+                        ops.rope(k.transpose(1, 2), cos, sin, rounding, torch.bfloat16, compiled=c),
+                    )
 
                 out.append(Variant(f"{cs}/{rounding}{FUSED[c]}", aligned, (q, k, cos, sin)))
         return out
@@ -148,8 +171,9 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
         gate, up = _leaf(1, seq, inter), _leaf(1, seq, inter)
         out = [Variant("stock", lambda g, u: mlp.act_fn(g) * u, (gate, up))]
         for rule, c in itertools.product(("round_silu", "once"), (False, True)):
-            out.append(Variant(rule + FUSED[c], lambda g, u, rule=rule, c=c: ops.swiglu(g, u, rule, compiled=c),
-                               (gate, up)))
+            out.append(
+                Variant(rule + FUSED[c], lambda g, u, rule=rule, c=c: ops.swiglu(g, u, rule, compiled=c), (gate, up))
+            )
         return out
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
@@ -243,9 +267,19 @@ def bench_case(op: str, model: str, seq: int, mode: str, rounds: int, shape: str
                 if r:
                     times[name].append(time.perf_counter() - t0)
         for name, run in runs.items():
-            row = {"name": op, "variant": name, "mode": mode, "pass": pass_, "shape": shape, "model": model,
-                   "seq": seq, "rounds": rounds - 1, "time_ms": statistics.median(times[name]) * 1e3,
-                   "saved_bytes": saved_bytes(run) if pass_ != "forward" else None, "peak_bytes": peak_bytes(run)}
+            row = {
+                "name": op,
+                "variant": name,
+                "mode": mode,
+                "pass": pass_,
+                "shape": shape,
+                "model": model,
+                "seq": seq,
+                "rounds": rounds - 1,
+                "time_ms": statistics.median(times[name]) * 1e3,
+                "saved_bytes": saved_bytes(run) if pass_ != "forward" else None,
+                "peak_bytes": peak_bytes(run),
+            }
             if mode == "compiled":
                 row["compile_s"] = first[name]
             rows.append(row)
@@ -271,14 +305,18 @@ def _x(v) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'op':<13}{'variant':<48}{'mode':<9}{'pass':<17}{'shape':<20}{'ms':>9}{'time':>7}"
-            f"{'saved MB':>10}{'saved':>7}{'peak MB':>9}{'peak':>7}")
+    head = (
+        f"{'op':<13}{'variant':<48}{'mode':<9}{'pass':<17}{'shape':<20}{'ms':>9}{'time':>7}"
+        f"{'saved MB':>10}{'saved':>7}{'peak MB':>9}{'peak':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['name']:<13}{r['variant']:<48}{r['mode']:<9}{r['pass']:<17}{r['shape']:<20}{r['time_ms']:>9.3f}"
-              f"{_x(r['time_ratio']):>7}{_mb(r['saved_bytes']):>10}{_x(r['saved_ratio']):>7}"
-              f"{_mb(r['peak_bytes']):>9}{_x(r['peak_ratio']):>7}")
+        print(
+            f"{r['name']:<13}{r['variant']:<48}{r['mode']:<9}{r['pass']:<17}{r['shape']:<20}{r['time_ms']:>9.3f}"
+            f"{_x(r['time_ratio']):>7}{_mb(r['saved_bytes']):>10}{_x(r['saved_ratio']):>7}"
+            f"{_mb(r['peak_bytes']):>9}{_x(r['peak_ratio']):>7}"
+        )
 
 
 def _csv(value: str, allowed, what: str) -> list[str]:
@@ -294,8 +332,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (hidden 64), seq 32 and 64, 2 rounds")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)}")
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="comma-separated: qwen3-0.6b, qwen3-8b")
-    ap.add_argument("--seqs", help="comma-separated sequence lengths for every model (default: per model, "
-                    "0.6B 512-4096, 8B 512 and 2048)")
+    ap.add_argument(
+        "--seqs",
+        help="comma-separated sequence lengths for every model (default: per model, 0.6B 512-4096, 8B 512 and 2048)",
+    )
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up (default 9; --quick 2)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -319,8 +359,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plan = [(m, s) for m in models for s in (seqs or DEFAULT_SEQS[m])]
 
     info = machine_info()
-    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads, "
-          f"torch {info['torch']}, transformers {info['transformers']}, {info['date']}")
+    print(
+        f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads, "
+        f"torch {info['torch']}, transformers {info['transformers']}, {info['date']}"
+    )
     print(f"ops: {', '.join(op_list)}; modes: {', '.join(modes)}; {rounds} rounds (1 warm-up); bf16, batch 1")
     rows = []
     for model, seq in plan:

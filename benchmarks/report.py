@@ -27,8 +27,10 @@ def load(path: str | Path, suite: str) -> dict:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("suite") != suite:
         got = data.get("suite") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected a {suite!r} suite JSON (key 'suite'), got {got!r}; pass benchmarks/"
-                         f"{'ops' if suite == 'ops' else 'model_step'}.py --json output as --{suite}")
+        raise ValueError(
+            f"{path}: expected a {suite!r} suite JSON (key 'suite'), got {got!r}; pass benchmarks/"
+            f"{'ops' if suite == 'ops' else 'model_step'}.py --json output as --{suite}"
+        )
     for i, row in enumerate(data.get("results", [])):
         missing = [k for k in REQUIRED if k not in row]
         if missing:
@@ -108,8 +110,9 @@ def fill(page: str, suite: str, block: str) -> str:
     start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
     i, j = page.find(start), page.find(end)
     if i < 0 or j < i:
-        raise ValueError(f"the page lacks the markers {start} ... {end} (in that order); add them where the "
-                         f"{suite} table should go")
+        raise ValueError(
+            f"the page lacks the markers {start} ... {end} (in that order); add them where the {suite} table should go"
+        )
     return page[: i + len(start)] + "\n" + block + "\n" + page[j:]
 
 

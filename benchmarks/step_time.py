@@ -56,8 +56,10 @@ def main() -> None:
             model(ids).logits.float().logsumexp(-1).mean().backward()
             times[name].append(time.perf_counter() - start)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )
     print(f"model: Qwen3 hidden {args.hidden}, {args.layers} layers; batch {args.batch} x {args.seq} tokens")
     stock = statistics.median(times["stock"][1:])
     for name, values in times.items():

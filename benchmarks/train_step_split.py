@@ -69,8 +69,13 @@ def main() -> None:
         med = {p: statistics.median(r[p] for r in rows) for p in PHASES}
         print(f"{name:<26}" + "".join(f"{med[p]:>14.3f}" for p in PHASES) + f"{med['step'] / base:>15.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__,
-                                               "threads": args.threads, "timings": times}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": cpu_model(), "torch": torch.__version__, "threads": args.threads, "timings": times},
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -45,8 +51,9 @@ def spawn_gloo(fn, world_size: int, *args) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each run in its own process of one gloo group."""
     with tempfile.TemporaryDirectory() as out:
         try:
-            mp.start_processes(_rank_main, args=(world_size, _free_port(), out, fn, args), nprocs=world_size,
-                               start_method="spawn")
+            mp.start_processes(
+                _rank_main, args=(world_size, _free_port(), out, fn, args), nprocs=world_size, start_method="spawn"
+            )
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, saved below, says more than the re-raised summary
         results = []

@@ -48,12 +48,14 @@ class ProfileAdapter(Adapter):
             out = rms_norm(normed_input, weight, eps, self.profile.rms_norm, out_dtype=BF16)
             carried = normed_input if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else res
             return out, carried
+
         return add
 
     def _swiglu(self, rule):
         def act(x):
             d = x.shape[-1] // 2
             return swiglu(x[..., :d], x[..., d:], rule)
+
         return act
 
     def silu_and_mul(self):
@@ -71,8 +73,11 @@ class ProfileAdapter(Adapter):
         def rotate(positions, q, k):
             dtype = BF16 if str(rule.cos_sin) == "bf16" else torch.float32
             cos, sin = self._cos_sin(positions, head_dim, theta, max_position, dtype)
-            return tuple(rope(t.view(t.shape[0], -1, head_dim), cos, sin, rule.rounding, out_dtype=BF16)
-                         .reshape(t.shape[0], -1) for t in (q, k))
+            return tuple(
+                rope(t.view(t.shape[0], -1, head_dim), cos, sin, rule.rounding, out_dtype=BF16).reshape(t.shape[0], -1)
+                for t in (q, k)
+            )
+
         return rotate
 
     def info(self):
@@ -92,6 +97,7 @@ class WrongAdapter(ProfileAdapter):
             d = x.shape[-1] // 2
             y = (torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).contiguous()
             return (y.view(torch.int32) & -65536).view(torch.float32).to(BF16)  # round toward zero: exact cast
+
         return act
 
     def _cos_sin(self, positions, head_dim, theta, max_position, dtype):
@@ -123,4 +129,5 @@ class ShapeDependentAdapter(ProfileAdapter):
             out = rms_norm(normed_input, weight, eps, self._norm_rule(weight), out_dtype=BF16)
             carried = normed_input if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else res
             return out, carried
+
         return add

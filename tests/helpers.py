@@ -82,8 +82,10 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
 
 def assert_not_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """The converse, for tests that show a comparison is sensitive (two rules must differ somewhere)."""
-    same = actual.dtype == expected.dtype and actual.shape == expected.shape and torch.equal(
-        canonical_bits(actual.detach().cpu()), canonical_bits(expected.detach().cpu())
+    same = (
+        actual.dtype == expected.dtype
+        and actual.shape == expected.shape
+        and torch.equal(canonical_bits(actual.detach().cpu()), canonical_bits(expected.detach().cpu()))
     )
     assert not same, f"{what}: expected a difference somewhere, got identical tensors"
 
@@ -116,14 +118,26 @@ def tie_prone_bf16(shape, gen: torch.Generator, exp_range=(-3, 3)) -> torch.Tens
 def special_bf16() -> torch.Tensor:
     """Edge values: signed zeros, smallest/largest subnormals, smallest normal, max finite, +-inf, NaN, ~1e38."""
     patterns = [
-        0x0000, 0x8000,  # +0, -0
-        0x0001, 0x8001, 0x007F, 0x807F,  # subnormals
-        0x0080, 0x8080,  # smallest normals
-        0x7F7F, 0xFF7F,  # max finite (3.39e38)
-        0x7E96, 0xFE96,  # ~1e38
-        0x7F80, 0xFF80,  # +-inf
-        0x7FC0, 0xFFC1,  # NaNs
-        0x3F80, 0xBF80, 0x3FC0, 0x3C01,  # 1, -1, 1.5, a small odd value
+        0x0000,
+        0x8000,  # +0, -0
+        0x0001,
+        0x8001,
+        0x007F,
+        0x807F,  # subnormals
+        0x0080,
+        0x8080,  # smallest normals
+        0x7F7F,
+        0xFF7F,  # max finite (3.39e38)
+        0x7E96,
+        0xFE96,  # ~1e38
+        0x7F80,
+        0xFF80,  # +-inf
+        0x7FC0,
+        0xFFC1,  # NaNs
+        0x3F80,
+        0xBF80,
+        0x3FC0,
+        0x3C01,  # 1, -1, 1.5, a small odd value
     ]
     return bf16_from_bits(torch.tensor(patterns, dtype=torch.int32))
 

@@ -27,8 +27,15 @@ def config(family: str, **overrides):
         cls, kw["head_dim"] = transformers.Qwen3Config, 16
     elif family == "qwen3_moe":
         cls = transformers.Qwen3MoeConfig
-        kw.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                  decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+        kw.update(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        )
     elif family == "llama":
         cls = transformers.LlamaConfig
     else:

@@ -63,8 +63,11 @@ def rms_norm_fp32(x, w, eps):
     return x32 * nu(x32, eps) * f(w)
 
 
-RMS_NORM = {"round_before_weight": rms_norm_round_before_weight, "round_after_weight": rms_norm_round_after_weight,
-            "fused_into_rope": rms_norm_fp32}
+RMS_NORM = {
+    "round_before_weight": rms_norm_round_before_weight,
+    "round_after_weight": rms_norm_round_after_weight,
+    "fused_into_rope": rms_norm_fp32,
+}
 
 
 def swiglu_round_silu(g, u):
@@ -118,9 +121,15 @@ def _model(family: str, profile: str):
 # ---------------------------------------------------------------------------------------------------- RMSNorm
 
 
-@pytest.mark.parametrize("profile,norm_rule,qk_rule", [("hf", None, None), ("vllm-eager", None, None),
-                                                       ("sglang", "round_after_weight", "round_after_weight"),
-                                                       ("vllm", "round_after_weight", "fused_into_rope")])
+@pytest.mark.parametrize(
+    "profile,norm_rule,qk_rule",
+    [
+        ("hf", None, None),
+        ("vllm-eager", None, None),
+        ("sglang", "round_after_weight", "round_after_weight"),
+        ("vllm", "round_after_weight", "fused_into_rope"),
+    ],
+)
 def test_patched_rms_norms_round_to_fp16(profile, norm_rule, qk_rule):
     """The decoder, final and q/k norms of a patched fp16 Qwen3 equal the fp16 formula of their rule bitwise.
     ``hf``/``vllm-eager`` leave the norms as HF's (round_before_weight): stock HF in fp16 is checked too."""
@@ -228,9 +237,14 @@ def _recording_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-@pytest.mark.parametrize("profile,qk_rule,rounding", [("vllm", "fused_into_rope", "once"),
-                                                      ("sglang", "round_after_weight", "per_op"),
-                                                      ("hf", "round_before_weight", "per_op")])
+@pytest.mark.parametrize(
+    "profile,qk_rule,rounding",
+    [
+        ("vllm", "fused_into_rope", "once"),
+        ("sglang", "round_after_weight", "per_op"),
+        ("hf", "round_before_weight", "per_op"),
+    ],
+)
 def test_qk_norm_then_rope_rounds_to_fp16(profile, qk_rule, rounding):
     """Qwen3 attention: q/k projections -> q/k norm -> RoPE, recorded where they enter the attention kernel, equal
     the fp16 chain from the formulas. Under fused_into_rope the norm's fp32 output reaches RoPE unrounded and RoPE
@@ -258,7 +272,7 @@ def test_qk_norm_then_rope_rounds_to_fp16(profile, qk_rule, rounding):
             attn(h, (cos, sin), attention_mask=None)
     finally:
         model.config._attn_implementation = saved
-    (query, key), = _RECORDED
+    ((query, key),) = _RECORDED
     eps = attn.q_norm.variance_epsilon
     with torch.no_grad():
         q = attn.q_proj(h).view(1, 12, -1, 16)

@@ -16,13 +16,28 @@ from tests.benchmark_scripts import load
 
 bench = load("ops")
 
-ROW_KEYS = {"name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_bytes", "saved_ratio",
-            "peak_bytes", "peak_ratio"}
+ROW_KEYS = {
+    "name",
+    "variant",
+    "mode",
+    "pass",
+    "shape",
+    "time_ms",
+    "time_ratio",
+    "saved_bytes",
+    "saved_ratio",
+    "peak_bytes",
+    "peak_ratio",
+}
 _RULES = {
     "rms_norm": {"round_before_weight", "round_after_weight"},
-    "add_rms_norm": {"round_before_weight/normalize_rounded_sum", "round_after_weight/normalize_rounded_sum",
-                     "round_after_weight/normalize_fp32_sum", "round_after_weight/round_at_attention",
-                     "round_after_weight/never_round"},
+    "add_rms_norm": {
+        "round_before_weight/normalize_rounded_sum",
+        "round_after_weight/normalize_rounded_sum",
+        "round_after_weight/normalize_fp32_sum",
+        "round_after_weight/round_at_attention",
+        "round_after_weight/never_round",
+    },
     "rope": {"bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once"},
     "swiglu": {"round_silu", "once"},
 }
@@ -70,8 +85,11 @@ def _check_structure(data: dict, modes: set[str], ops: set[str]) -> None:
                 shapes = {r["shape"] for r in rows if (r["name"], r["mode"], r["pass"]) == (op, mode, pass_)}
                 assert len(shapes) == 2
                 for shape in shapes:
-                    got = {r["variant"] for r in rows if (r["name"], r["mode"], r["pass"], r["shape"]) ==
-                           (op, mode, pass_, shape)}
+                    got = {
+                        r["variant"]
+                        for r in rows
+                        if (r["name"], r["mode"], r["pass"], r["shape"]) == (op, mode, pass_, shape)
+                    }
                     assert got == VARIANTS[op]
 
 

@@ -21,7 +21,7 @@ from roundalign.errors import ExitStatus
 from roundalign.rl import compare
 from roundalign.rl.compare import Cell, GridError, load_runs, parse_grid, plan, run_grid, summarize
 
-FAKE_TRAIN = r'''
+FAKE_TRAIN = r"""
 import argparse, json, os, sys, time
 p = argparse.ArgumentParser()
 p.add_argument("--out"); p.add_argument("--steps", type=int, default=60); p.add_argument("--seed", type=int, default=0)
@@ -42,7 +42,7 @@ with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
     f.write(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
     for s in range(1, args.steps + 1):
         f.write(json.dumps({"step": s, "reward/mean": 0.1 * args.seed + 0.01 * s}) + "\n")
-'''
+"""
 
 
 @pytest.fixture
@@ -65,24 +65,34 @@ def _calls(calls: Path) -> list[str]:
 
 
 def test_parse_grid_aliases_and_field_names():
-    grid = parse_grid(["trainer=hf,aligned", "engine=sglang", "is=token-tis", "loss-type=grpo,reinforce",
-                       "clip_eps=0.1", "seed=0,1"])
-    assert grid == {"trainer_profile": ["hf", "aligned"], "engine_profile": ["sglang"], "rollout_is": ["token-tis"],
-                    "loss_type": ["grpo", "reinforce"], "clip_eps": ["0.1"], "seed": ["0", "1"]}
+    grid = parse_grid(
+        ["trainer=hf,aligned", "engine=sglang", "is=token-tis", "loss-type=grpo,reinforce", "clip_eps=0.1", "seed=0,1"]
+    )
+    assert grid == {
+        "trainer_profile": ["hf", "aligned"],
+        "engine_profile": ["sglang"],
+        "rollout_is": ["token-tis"],
+        "loss_type": ["grpo", "reinforce"],
+        "clip_eps": ["0.1"],
+        "seed": ["0", "1"],
+    }
     assert list(grid) == ["trainer_profile", "engine_profile", "rollout_is", "loss_type", "clip_eps", "seed"]
 
 
-@pytest.mark.parametrize("items, message", [
-    (["colour=red"], "unknown grid key 'colour'"),
-    (["seed="], "empty value"),
-    (["seed=0,,1"], "empty value"),
-    (["trainer=hf", "trainer_profile=aligned"], "given twice"),
-    (["seed=0,0"], "repeats ['0']"),
-    (["sync"], "is not KEY=V1,V2"),
-    (["betas=0.9,0.99"], "holds a comma"),
-    (["out=x"], "cannot be a grid key"),
-    ([], "the grid is empty"),
-])
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["colour=red"], "unknown grid key 'colour'"),
+        (["seed="], "empty value"),
+        (["seed=0,,1"], "empty value"),
+        (["trainer=hf", "trainer_profile=aligned"], "given twice"),
+        (["seed=0,0"], "repeats ['0']"),
+        (["sync"], "is not KEY=V1,V2"),
+        (["betas=0.9,0.99"], "holds a comma"),
+        (["out=x"], "cannot be a grid key"),
+        ([], "the grid is empty"),
+    ],
+)
 def test_parse_grid_errors(items, message):
     with pytest.raises(ValueError) as info:
         parse_grid(items)
@@ -98,7 +108,9 @@ def test_parse_grid_unknown_key_lists_the_valid_keys():
 def test_plan_is_the_cartesian_product_with_seed_last():
     cells = plan(parse_grid(["trainer=hf,aligned", "seed=0,1", "sync=rne,stochastic"]), ["--steps", "3"])
     assert [c.name for c in cells] == [
-        f"trainer-{t}_sync-{s}_seed-{seed}" for t in ("hf", "aligned") for s in ("rne", "stochastic")
+        f"trainer-{t}_sync-{s}_seed-{seed}"
+        for t in ("hf", "aligned")
+        for s in ("rne", "stochastic")
         for seed in ("0", "1")
     ]
     first = cells[0]
@@ -110,8 +122,10 @@ def test_plan_is_the_cartesian_product_with_seed_last():
 
 def test_plan_boolean_key_becomes_a_flag_and_names_are_filesystem_safe():
     cells = plan(parse_grid(["loss-on-served=true,false", "lr=1e-5"]), ["--sync", "stochastic"])
-    assert [c.train_options() for c in cells] == [["--loss-on-served", "--lr=1e-5"],
-                                                  ["--no-loss-on-served", "--lr=1e-5"]]
+    assert [c.train_options() for c in cells] == [
+        ["--loss-on-served", "--lr=1e-5"],
+        ["--no-loss-on-served", "--lr=1e-5"],
+    ]
     assert [c.name for c in cells] == ["loss-on-served-true_lr-1e-5", "loss-on-served-false_lr-1e-5"]
     with pytest.raises(ValueError, match="--lr must be > 0, got -1e-05"):  # a negative value reaches validation
         plan(parse_grid(["lr=-1e-5"]), [])
@@ -124,19 +138,25 @@ def test_a_bad_cell_fails_the_whole_plan_before_anything_runs(tmp_path, fake_tra
     monkeypatch.setattr(compare, "DEFAULT_COMMAND", tuple(command))
     out = tmp_path / "grid"
     args = _cli_args("--grid", "sync=stochastic,rne", "seed=0,1", "--out", str(out), "--", "--loss-on-served")
-    with pytest.raises(ValueError, match=r"grid cell sync-rne_seed-0 \(sync=rne seed=0\) is not a valid run: "
-                                         "--loss-on-served with --sync rne"):
+    with pytest.raises(
+        ValueError,
+        match=r"grid cell sync-rne_seed-0 \(sync=rne seed=0\) is not a valid run: "
+        "--loss-on-served with --sync rne",
+    ):
         _run(args)
     assert _calls(calls) == [] and not out.exists()
 
 
-@pytest.mark.parametrize("grid, fixed, message", [
-    (["sync=rne"], ["--sync", "stochastic"], "--sync is both a grid key and a fixed train option"),
-    (["seed=0"], ["--out", "x"], "drop --out"),
-    (["seed=0"], ["--stepz", "3"], "unrecognized arguments: --stepz"),
-    (["seed=0"], ["--steps", "three"], "invalid int value"),
-    (["seed=0"], ["--steps", "0"], "steps must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "grid, fixed, message",
+    [
+        (["sync=rne"], ["--sync", "stochastic"], "--sync is both a grid key and a fixed train option"),
+        (["seed=0"], ["--out", "x"], "drop --out"),
+        (["seed=0"], ["--stepz", "3"], "unrecognized arguments: --stepz"),
+        (["seed=0"], ["--steps", "three"], "invalid int value"),
+        (["seed=0"], ["--steps", "0"], "steps must be an int >= 1"),
+    ],
+)
 def test_plan_rejects_bad_fixed_options(grid, fixed, message):
     with pytest.raises(ValueError, match=message):
         plan(parse_grid(grid), fixed)
@@ -231,9 +251,17 @@ def _write_run(out: Path, name: str, settings: dict, seed: int, rows: list[dict]
 def _synthetic_grid(out: Path) -> None:
     """Two configurations x two seeds, 7 training steps: the last 25% is ceil(7/4) = 2 steps (6 and 7)."""
     out.mkdir(parents=True)
-    grid = {"grid": {"trainer_profile": ["hf", "aligned"], "seed": ["0", "1"]}, "fixed_args": ["--steps", "7"],
-            "cells": ["trainer-hf_seed-0", "trainer-hf_seed-1", "trainer-aligned_seed-0", "trainer-aligned_seed-1",
-                      "trainer-aligned_seed-2"]}
+    grid = {
+        "grid": {"trainer_profile": ["hf", "aligned"], "seed": ["0", "1"]},
+        "fixed_args": ["--steps", "7"],
+        "cells": [
+            "trainer-hf_seed-0",
+            "trainer-hf_seed-1",
+            "trainer-aligned_seed-0",
+            "trainer-aligned_seed-1",
+            "trainer-aligned_seed-2",
+        ],
+    }
     (out / "grid.json").write_text(json.dumps(grid))
     k3 = {("hf", 0): 2e-3, ("hf", 1): 4e-3, ("aligned", 0): 0.0, ("aligned", 1): 0.0}
     for trainer in ("hf", "aligned"):
@@ -241,13 +269,16 @@ def _synthetic_grid(out: Path) -> None:
             base = 0.2 if trainer == "hf" else 0.4
             rows = [{"step": 0, "eval/accuracy": 0.05}]
             for s in range(1, 8):
-                rows.append({
-                    "step": s, "reward/mean": base + 0.1 * seed + 0.01 * s,
-                    "rollout_corr/k3_kl": k3[trainer, seed] / s,
-                    "sync/visible_fraction": None if (s == 7 and seed == 1) else 0.5 + 0.1 * seed,
-                    "sync/lag_steps": None,
-                    **({"eval/accuracy": 0.1 * s + 0.05 * seed} if s % 3 == 0 else {}),
-                })
+                rows.append(
+                    {
+                        "step": s,
+                        "reward/mean": base + 0.1 * seed + 0.01 * s,
+                        "rollout_corr/k3_kl": k3[trainer, seed] / s,
+                        "sync/visible_fraction": None if (s == 7 and seed == 1) else 0.5 + 0.1 * seed,
+                        "sync/lag_steps": None,
+                        **({"eval/accuracy": 0.1 * s + 0.05 * seed} if s % 3 == 0 else {}),
+                    }
+                )
             _write_run(out, f"trainer-{trainer}_seed-{seed}", {"trainer_profile": trainer}, seed, rows)
 
 
@@ -255,8 +286,12 @@ def test_summary_numbers_match_a_hand_computation(tmp_path):
     out = tmp_path / "grid"
     _synthetic_grid(out)
     runs = load_runs(out)
-    assert [r.name for r in runs] == ["trainer-hf_seed-0", "trainer-hf_seed-1", "trainer-aligned_seed-0",
-                                      "trainer-aligned_seed-1"]
+    assert [r.name for r in runs] == [
+        "trainer-hf_seed-0",
+        "trainer-hf_seed-1",
+        "trainer-aligned_seed-0",
+        "trainer-aligned_seed-1",
+    ]
     md = summarize(runs, out)
     rows = {row["configuration"]: row for row in json.loads((out / "summary.json").read_text())["configurations"]}
     hf = rows["trainer=hf"]
@@ -286,9 +321,19 @@ def test_summary_numbers_match_a_hand_computation(tmp_path):
 
 
 def test_a_resumed_run_relogs_steps_and_the_later_line_wins(tmp_path):
-    _write_run(tmp_path, "r", {}, 7, [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2},
-                                      {"step": 2, "reward/mean": 0.3}, {"step": 3, "reward/mean": 0.4}],
-               seed_in_grid=False)
+    _write_run(
+        tmp_path,
+        "r",
+        {},
+        7,
+        [
+            {"step": 1, "reward/mean": 0.1},
+            {"step": 2, "reward/mean": 0.2},
+            {"step": 2, "reward/mean": 0.3},
+            {"step": 3, "reward/mean": 0.4},
+        ],
+        seed_in_grid=False,
+    )
     (run,) = load_runs(tmp_path)
     assert run.seed == "7"  # not a grid key: the run's own seed, from its config.json
     assert [(m["step"], m["reward/mean"]) for m in run.metrics] == [(1, 0.1), (2, 0.3), (3, 0.4)]
@@ -312,8 +357,9 @@ def test_moving_average_is_centred_and_shrinks_at_the_ends():
     assert np.array_equal(moving_average(v, 1), v, equal_nan=True)
 
 
-@pytest.mark.parametrize("steps, smooth, window", [(60, 5, 5), (60, 4, 3), (60, 9, 7), (24, 5, 3), (20, 5, 1),
-                                                  (3, 5, 1), (60, 1, 1)])
+@pytest.mark.parametrize(
+    "steps, smooth, window", [(60, 5, 5), (60, 4, 3), (60, 9, 7), (24, 5, 3), (20, 5, 1), (3, 5, 1), (60, 1, 1)]
+)
 def test_smoothing_window_is_odd_and_at_most_an_eighth_of_the_run(steps, smooth, window):
     from roundalign.rl.compare_plots import smoothing_window
 

@@ -136,8 +136,10 @@ def test_fp16_inductor_backend():
         assert_bitwise_equal(lp, torch.tensor(out.logprobs))
     got = torch.cat(eng.score([p[:3] for p in prompts], [p[3:] for p in prompts]))
     ref = torch.cat(Engine(model, profile="vllm", dtype=FP16).score([p[:3] for p in prompts], [p[3:] for p in prompts]))
-    print(f"fp16 inductor vs kernels(vllm): {(got == ref).float().mean():.1%} bitwise equal, "
-          f"max diff {(got - ref).abs().max():.4f}")
+    print(
+        f"fp16 inductor vs kernels(vllm): {(got == ref).float().mean():.1%} bitwise equal, "
+        f"max diff {(got - ref).abs().max():.4f}"
+    )
     assert (got - ref).abs().max() < 0.1
 
 
@@ -165,8 +167,11 @@ def test_overflow_on_load_is_refused_and_changes_nothing():
     name = "model.layers.0.mlp.down_proj.weight"
     with torch.no_grad():
         model.state_dict()[name][0, 0] = 70000.0  # bf16 70144, finite
-    with pytest.raises(ValueError, match=rf"{name!r} has 1 value\(s\) \(largest magnitude 70144\) beyond "
-                                         r"float16's largest finite value 65504.*dtype=torch.bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name!r} has 1 value\(s\) \(largest magnitude 70144\) beyond "
+        r"float16's largest finite value 65504.*dtype=torch.bfloat16",
+    ):
         Engine(model, dtype=FP16)
     Engine(model)  # bf16 serves it
 
@@ -203,7 +208,7 @@ def test_subnormal_precision_loss_is_accepted():
     model = trainer_model("qwen3", num_hidden_layers=1)
     name = "model.layers.0.self_attn.o_proj.weight"
     g = torch.Generator().manual_seed(0)
-    tiny = (torch.rand(200, generator=g) * 2.0**-14 * torch.exp2(-torch.randint(0, 14, (200,), generator=g).float()))
+    tiny = torch.rand(200, generator=g) * 2.0**-14 * torch.exp2(-torch.randint(0, 14, (200,), generator=g).float())
     tiny = tiny.to(torch.bfloat16)
     with torch.no_grad():
         model.state_dict()[name].view(-1)[:200] = tiny

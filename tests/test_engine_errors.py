@@ -84,8 +84,15 @@ def test_missing_and_corrupt_safetensors(model_dir, tmp_path):
 
 
 def test_unsupported_family_names_the_supported_ones_and_the_jsonl_import(tmp_path):
-    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97, num_experts=2)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        num_experts=2,
+    )
     with pytest.raises(ValueError, match=r"qwen3, qwen2, llama.*'qwen3_moe'.*--engine-logprobs"):
         Engine(transformers.AutoModelForCausalLM.from_config(cfg))
     cfg.save_pretrained(tmp_path)

@@ -105,8 +105,10 @@ def test_decode_with_prefill_shapes_equals_prefill(engine, greedy_batch):
     assert (plain != prefill).any()  # the decode shapes do change the log-probs: the comparison can fail
     for part in ("attention", "matmul"):
         one = torch.cat(engine.score(prompts, completions, mode="decode", prefill_shaped=(part,)))
-        print(f"prefill_shaped={part}: {(one == prefill).float().mean():.1%} of log-probs equal the prefill "
-              f"(plain decode: {(plain == prefill).float().mean():.1%})")
+        print(
+            f"prefill_shaped={part}: {(one == prefill).float().mean():.1%} of log-probs equal the prefill "
+            f"(plain decode: {(plain == prefill).float().mean():.1%})"
+        )
 
 
 def test_stop_token_is_kept_with_its_logprob(engine, greedy_batch):

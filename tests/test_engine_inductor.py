@@ -67,8 +67,10 @@ def test_prefill_follows_the_measured_vllm_rules(engine, model):
     vllm = _fraction_equal(engine, model, "vllm", seqs)
     hf = _fraction_equal(engine, model, "hf", seqs)
     every_add = _fraction_equal(engine, model, "vllm", seqs, residual="normalize_fp32_sum")
-    print(f"inductor prefill log-probs bitwise equal to the trainer: vllm {vllm:.1%}, "
-          f"vllm with normalize_fp32_sum {every_add:.1%}, stock HF {hf:.1%}")
+    print(
+        f"inductor prefill log-probs bitwise equal to the trainer: vllm {vllm:.1%}, "
+        f"vllm with normalize_fp32_sum {every_add:.1%}, stock HF {hf:.1%}"
+    )
     assert vllm >= 0.5
     assert vllm >= max(hf, every_add) + 0.3
 

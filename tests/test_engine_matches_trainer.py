@@ -26,9 +26,17 @@ from tests.vllm_native import realistic_init
 PROFILES = ("vllm", "sglang", "hf", "aligned")
 CASES = [("qwen3", p) for p in PROFILES] + [(f, p) for f in ("qwen2", "llama") for p in ("hf", "vllm", "sglang")]
 
-_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
-              rms_norm_eps=1e-6)
+_SIZES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
 _CONFIGS = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
 
 
@@ -37,8 +45,9 @@ def trainer_model(family: str = "qwen3", seed: int = 0, **overrides):
     kw = dict(_SIZES, **({"head_dim": 64} if family == "qwen3" else {}))
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_CONFIGS[family](**kw), dtype=torch.bfloat16,
-                                                          attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(
+        _CONFIGS[family](**kw), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     return realistic_init(model, seed)
 
 
@@ -76,8 +85,14 @@ def test_engine_matches_trainer(family, profile):
 @pytest.mark.parametrize("profile", ["hf", "vllm"])
 def test_engine_matches_trainer_rope_scaled_tied_llama(profile):
     """llama3 RoPE scaling (inv_freq from the config, as engines compute it) and tied embeddings."""
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     model = trainer_model("llama", rope_parameters=rope, tie_word_embeddings=True, num_hidden_layers=2)
     _check_engine_equals_trainer(model, profile, sequences(model.config.vocab_size, lengths=(40, 200)))
 

@@ -137,8 +137,10 @@ def _expected(profile: Profile, battery) -> dict:
     }
     dims = sorted(c["params"]["head_dim"] for c in battery["cases"] if c["op"] == "rope")
     rules = {hd: str(profile.rope_for(hd)) for hd in dims}
-    out["rope"] = ("determined", [next(iter(rules.values()))] if len(set(rules.values())) == 1
-                   else [f"hd{hd}: {r}" for hd, r in rules.items()])
+    out["rope"] = (
+        "determined",
+        [next(iter(rules.values()))] if len(set(rules.values())) == 1 else [f"hd{hd}: {r}" for hd, r in rules.items()],
+    )
     return out
 
 
@@ -147,8 +149,11 @@ def test_reader_names_every_profile(battery, name):
     regions = _read(battery, ProfileAdapter(name))
     assert _rules(regions) == _expected(get_profile(name), battery)
     for region in regions.values():  # the rules are far apart: every other rule is below 99% equal in some case
-        assert all(row["worst_case"] < reader.FAR_BELOW for row in region.evidence
-                   if row["rule"] not in region.rules and "head_dim" not in row)
+        assert all(
+            row["worst_case"] < reader.FAR_BELOW
+            for row in region.evidence
+            if row["rule"] not in region.rules and "head_dim" not in row
+        )
 
 
 # What vLLM's forward_native code does, read from its source (runner.py's docstring), per mode. Eager rounds after
@@ -158,13 +163,22 @@ def test_reader_names_every_profile(battery, name):
 # unrounded into RoPE, RoPE and SiluAndMul round once, the residual between two add + norm calls of one graph is
 # never rounded. The experts' op is opaque in both modes (vLLM's CUDA silu_and_mul): round_silu.
 NATIVE = {
-    "eager": {"rms_norm": ("determined", ["round_before_weight"]), "qk_norm": ("determined", ["round_before_weight"]),
-              "residual": ("determined", ["normalize_fp32_sum"]), "rope": ("determined", ["bf16/per_op"]),
-              "swiglu": ("determined", ["round_silu"]), "expert_swiglu": ("determined", ["round_silu"])},
-    "compiled": {"rms_norm": ("determined", ["round_after_weight"]), "qk_norm": ("determined", ["fused_into_rope"]),
-                 "residual": ("indistinguishable", ["never_round", "round_at_attention"]),
-                 "rope": ("determined", ["bf16/once"]), "swiglu": ("determined", ["once"]),
-                 "expert_swiglu": ("determined", ["round_silu"])},
+    "eager": {
+        "rms_norm": ("determined", ["round_before_weight"]),
+        "qk_norm": ("determined", ["round_before_weight"]),
+        "residual": ("determined", ["normalize_fp32_sum"]),
+        "rope": ("determined", ["bf16/per_op"]),
+        "swiglu": ("determined", ["round_silu"]),
+        "expert_swiglu": ("determined", ["round_silu"]),
+    },
+    "compiled": {
+        "rms_norm": ("determined", ["round_after_weight"]),
+        "qk_norm": ("determined", ["fused_into_rope"]),
+        "residual": ("indistinguishable", ["never_round", "round_at_attention"]),
+        "rope": ("determined", ["bf16/once"]),
+        "swiglu": ("determined", ["once"]),
+        "expert_swiglu": ("determined", ["round_silu"]),
+    },
 }
 
 
@@ -174,8 +188,11 @@ def test_native_adapter_is_engine_native_code(battery):
     x, w = by_op["rms_norm"]["x"], by_op["rms_norm"]["weight"]
     assert torch.equal(runner.rms_norm_native(x, w, 1e-6), engine_native.rms_norm_native(x, w, 1e-6))
     a = by_op["add_rms_norm"]
-    for mine, theirs in zip(runner.rms_norm_native(a["x"], a["weight"], 1e-6, a["residual"]),
-                            engine_native.rms_norm_native(a["x"], a["weight"], 1e-6, a["residual"]), strict=True):
+    for mine, theirs in zip(
+        runner.rms_norm_native(a["x"], a["weight"], 1e-6, a["residual"]),
+        engine_native.rms_norm_native(a["x"], a["weight"], 1e-6, a["residual"]),
+        strict=True,
+    ):
         assert torch.equal(mine, theirs)
     g = by_op["silu_and_mul"]["x"]
     assert torch.equal(runner.silu_and_mul_native(g), engine_native.silu_and_mul_native(g))
@@ -186,9 +203,11 @@ def test_native_adapter_is_engine_native_code(battery):
         theirs = engine_native.cos_sin_cache(B.inv_freq(hd, theta), 4096, BF16)
         assert torch.equal(mine, theirs), hd
         pos = case["inputs"]["positions"] % 4096
-        for m, t in zip(runner.rope_native(pos, case["inputs"]["q"], case["inputs"]["k"], mine, hd),
-                        engine_native.rope_native(pos, case["inputs"]["q"], case["inputs"]["k"], theirs, hd),
-                        strict=True):
+        for m, t in zip(
+            runner.rope_native(pos, case["inputs"]["q"], case["inputs"]["k"], mine, hd),
+            engine_native.rope_native(pos, case["inputs"]["q"], case["inputs"]["k"], theirs, hd),
+            strict=True,
+        ):
             assert torch.equal(m, t), hd
 
 
@@ -222,9 +241,11 @@ def test_runner_is_standalone_and_reports_a_missing_engine(tmp_path, capsys, bat
     compile(out.read_text(), str(out), "exec")
     torch.save(battery, tmp_path / "battery.pt")
     # roundalign (and vLLM, SGLang) blocked: the script must import, parse its arguments and say what is missing.
-    code = ("import sys; sys.modules['roundalign'] = None; sys.modules['vllm'] = None; sys.modules['sglang'] = None;"
-            f"sys.argv = ['run_fingerprint.py', 'battery.pt', '--engine', sys.argv[1]];"
-            f"exec(compile(open({str(out)!r}).read(), 'run_fingerprint.py', 'exec'), {{'__name__': '__main__'}})")
+    code = (
+        "import sys; sys.modules['roundalign'] = None; sys.modules['vllm'] = None; sys.modules['sglang'] = None;"
+        f"sys.argv = ['run_fingerprint.py', 'battery.pt', '--engine', sys.argv[1]];"
+        f"exec(compile(open({str(out)!r}).read(), 'run_fingerprint.py', 'exec'), {{'__name__': '__main__'}})"
+    )
     for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
         proc = subprocess.run([sys.executable, "-c", code, engine], cwd=tmp_path, capture_output=True, text=True)
         assert proc.returncode == 1, proc.stderr
@@ -267,8 +288,9 @@ def test_collect_rejects_outputs_of_the_wrong_dtype(battery):
 @pytest.fixture(scope="module")
 def results_path(battery, tmp_path_factory):
     """What the user brings back: the sglang profile as the eager run, vllm's as the compiled one."""
-    results = runner.run_battery(battery, [ProfileAdapter("sglang", "eager"), ProfileAdapter("vllm", "compiled")],
-                                 log=lambda *a: None)
+    results = runner.run_battery(
+        battery, [ProfileAdapter("sglang", "eager"), ProfileAdapter("vllm", "compiled")], log=lambda *a: None
+    )
     path = tmp_path_factory.mktemp("fp") / "results.pt"
     torch.save(results, path)
     return path
@@ -304,15 +326,44 @@ def test_profile_out(results_path, tmp_path, capsys):
     out = tmp_path / "compiled.json"
     assert main(["fingerprint", "read", str(results_path), "--profile-out", "compiled", str(out)]) == 2
     assert "--residual" in capsys.readouterr().err and not out.exists()
-    assert main(["fingerprint", "read", str(results_path), "--profile-out", "compiled", str(out),
-                 "--residual", "normalize_fp32_sum"]) == 2
+    assert (
+        main(
+            [
+                "fingerprint",
+                "read",
+                str(results_path),
+                "--profile-out",
+                "compiled",
+                str(out),
+                "--residual",
+                "normalize_fp32_sum",
+            ]
+        )
+        == 2
+    )
     assert "contradicts" in capsys.readouterr().err
-    assert main(["fingerprint", "read", str(results_path), "--profile-out", "compiled", str(out),
-                 "--residual", "round_at_attention", "--json"]) == 0
+    assert (
+        main(
+            [
+                "fingerprint",
+                "read",
+                str(results_path),
+                "--profile-out",
+                "compiled",
+                str(out),
+                "--residual",
+                "round_at_attention",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["profile_out"]["sources"]["residual"].startswith("--residual")
     got, vllm = Profile.load(out), get_profile("vllm")
-    assert all(getattr(got, r) == getattr(vllm, r) for r in ("rms_norm", "qk_norm", "residual", "rope", "swiglu",
-                                                             "expert_swiglu"))
+    assert all(
+        getattr(got, r) == getattr(vllm, r)
+        for r in ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
+    )
 
 
 def _broken(results_path, tmp_path, edit) -> Path:
@@ -327,14 +378,17 @@ def _wrong_shape(results):
     results["runs"][1]["outputs"]["silu_and_mul/d512"] = [torch.zeros(3, dtype=BF16)]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: r["battery"].update(version=3), "battery version 3, this roundalign reads versions 1, 2"),
-    (lambda r: r.update(version=9), "results version 9"),
-    (lambda r: r["runs"][0]["outputs"].pop("rope/hd80"), "missing case(s) ['rope/hd80']"),
-    (_wrong_shape, "case 'silu_and_mul/d512' has outputs [((3,), torch.bfloat16)]"),
-    (lambda r: r["battery"]["cases"][0]["inputs"]["x"].add_(1), "do not match its id"),
-    (lambda r: r.update(format="something else"), "not a fingerprint results file"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r["battery"].update(version=3), "battery version 3, this roundalign reads versions 1, 2"),
+        (lambda r: r.update(version=9), "results version 9"),
+        (lambda r: r["runs"][0]["outputs"].pop("rope/hd80"), "missing case(s) ['rope/hd80']"),
+        (_wrong_shape, "case 'silu_and_mul/d512' has outputs [((3,), torch.bfloat16)]"),
+        (lambda r: r["battery"]["cases"][0]["inputs"]["x"].add_(1), "do not match its id"),
+        (lambda r: r.update(format="something else"), "not a fingerprint results file"),
+    ],
+)
 def test_read_rejects_bad_results(results_path, tmp_path, capsys, edit, message):
     path = _broken(results_path, tmp_path, edit)
     assert main(["fingerprint", "read", str(path)]) == 2
@@ -365,11 +419,24 @@ def test_model_constants_of_the_shipped_model():
     config = json.loads(SHIPPED_CONFIG.read_text())  # read here independently of transformers
     got = B.model_constants("shipped")
     assert got == B.model_constants(SHIPPED_CONFIG) == B.model_constants(SHIPPED_CONFIG.parent)
-    assert {k: got[k] for k in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_size", "intermediate_size",
-                                "max_position_embeddings")} == {
-        "head_dim": config["head_dim"], "rope_theta": config["rope_parameters"]["rope_theta"],
-        "rms_norm_eps": config["rms_norm_eps"], "hidden_size": config["hidden_size"],
-        "intermediate_size": config["intermediate_size"], "max_position_embeddings": config["max_position_embeddings"]}
+    assert {
+        k: got[k]
+        for k in (
+            "head_dim",
+            "rope_theta",
+            "rms_norm_eps",
+            "hidden_size",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
+    } == {
+        "head_dim": config["head_dim"],
+        "rope_theta": config["rope_parameters"]["rope_theta"],
+        "rms_norm_eps": config["rms_norm_eps"],
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+    }
     assert got["moe_intermediate_size"] is None and got["qk_norm"] is True and got["name"] == "tiny-qwen3"
 
 
@@ -386,20 +453,34 @@ def _config_dir(tmp_path, **edit) -> Path:
 
 
 def test_model_constants_of_other_configs(tmp_path):
-    moe = B.model_constants(_config_dir(tmp_path / "moe", model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                                        head_dim=80, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=384,
-                                        rope_parameters=None, rope_theta=5e5))
+    moe = B.model_constants(
+        _config_dir(
+            tmp_path / "moe",
+            model_type="qwen3_moe",
+            architectures=["Qwen3MoeForCausalLM"],
+            head_dim=80,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            rope_parameters=None,
+            rope_theta=5e5,
+        )
+    )
     assert (moe["head_dim"], moe["rope_theta"], moe["moe_intermediate_size"], moe["qk_norm"]) == (80, 5e5, 384, True)
-    llama = B.model_constants(_config_dir(tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"],
-                                          head_dim=None))
+    llama = B.model_constants(
+        _config_dir(tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"], head_dim=None)
+    )
     assert (llama["head_dim"], llama["qk_norm"], llama["moe_intermediate_size"]) == (256 // 4, False, None)
 
 
-@pytest.mark.parametrize("model, message", [
-    ("nowhere", "no config.json in .*nowhere; give a local model directory"),
-    ("odd", r"head_dim\W+63"),  # transformers' validator or ours: RoPE rotates pairs
-    ("garbled", "transformers cannot read"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("nowhere", "no config.json in .*nowhere; give a local model directory"),
+        ("odd", r"head_dim\W+63"),  # transformers' validator or ours: RoPE rotates pairs
+        ("garbled", "transformers cannot read"),
+    ],
+)
 def test_model_constants_refuse_bad_models(tmp_path, model, message):
     (tmp_path / "nowhere").mkdir()
     _config_dir(tmp_path / "odd", head_dim=63)
@@ -416,8 +497,16 @@ def test_model_battery_adds_marked_cases_at_the_model_shapes(battery, model_batt
     assert [c["name"] for c in generic] == [c["name"] for c in battery["cases"]]  # generic cases unchanged
     for a, b in zip(generic, battery["cases"], strict=True):
         assert all(torch.equal(a["inputs"][k], b["inputs"][k]) for k in a["inputs"]), a["name"]
-    assert sorted(shaped) == sorted(["model/rms_norm/h256", "model/add_rms_norm/h256", "model/add_rms_norm_chain/h256",
-                                     "model/silu_and_mul/d768", "model/rope/hd64", "model/qk_norm_rope/hd64"])
+    assert sorted(shaped) == sorted(
+        [
+            "model/rms_norm/h256",
+            "model/add_rms_norm/h256",
+            "model/add_rms_norm_chain/h256",
+            "model/silu_and_mul/d768",
+            "model/rope/hd64",
+            "model/qk_norm_rope/hd64",
+        ]
+    )
     assert shaped["model/rms_norm/h256"]["inputs"]["x"].shape[-1] == m["hidden_size"] == 256
     assert shaped["model/silu_and_mul/d768"]["inputs"]["x"].shape[-1] == 2 * m["intermediate_size"]
     rope = shaped["model/rope/hd64"]
@@ -426,8 +515,11 @@ def test_model_battery_adds_marked_cases_at_the_model_shapes(battery, model_batt
     assert shaped["model/qk_norm_rope/hd64"]["params"]["eps"] == m["rms_norm_eps"]
     again = B.make_battery(model=B.model_constants("shipped"))
     assert again["id"] == model_battery["id"] != battery["id"]
-    assert all(torch.equal(t, again["cases"][i]["inputs"][k]) for i, c in enumerate(model_battery["cases"])
-               for k, t in c["inputs"].items())
+    assert all(
+        torch.equal(t, again["cases"][i]["inputs"][k])
+        for i, c in enumerate(model_battery["cases"])
+        for k, t in c["inputs"].items()
+    )
 
 
 def _v1_id(battery) -> str:
@@ -442,8 +534,13 @@ def _v1_id(battery) -> str:
 
 
 def test_version_1_batteries_are_still_read(battery, tmp_path, capsys):
-    v1 = {"format": battery["format"], "version": 1, "dtype": "bfloat16", "seed": 0,
-          "cases": [{k: v for k, v in c.items() if k != "model"} for c in battery["cases"]]}
+    v1 = {
+        "format": battery["format"],
+        "version": 1,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "cases": [{k: v for k, v in c.items() if k != "model"} for c in battery["cases"]],
+    }
     v1["id"] = _v1_id(v1)
     results = runner.run_battery(v1, [ProfileAdapter("vllm", "compiled")], log=lambda *a: None)
     (entry,) = reader.read_results(results)
@@ -461,8 +558,11 @@ def test_model_line_and_profile_follow_the_model(model_battery, tmp_path, capsys
     plain rule. An engine whose RMSNorm rule depends on the hidden size: the model's line differs from the
     generic cases, and the profile follows the model."""
     sglang = get_profile("sglang")
-    results = runner.run_battery(model_battery, [ProfileAdapter("sglang", "eager"),
-                                                 ShapeDependentAdapter("vllm", 256, "compiled")], log=lambda *a: None)
+    results = runner.run_battery(
+        model_battery,
+        [ProfileAdapter("sglang", "eager"), ShapeDependentAdapter("vllm", 256, "compiled")],
+        log=lambda *a: None,
+    )
     path = tmp_path / "results.pt"
     torch.save(results, path)
     assert main(["fingerprint", "read", str(path), "--json"]) == 0
@@ -481,8 +581,21 @@ def test_model_line_and_profile_follow_the_model(model_battery, tmp_path, capsys
     assert got.rope == RopeRule.parse(str(sglang.rope_for(64)))  # a plain rule at the model's head dim
     assert all(getattr(got, r) == getattr(sglang, r) for r in REGIONS if r != "rope")
     out = tmp_path / "compiled.json"
-    assert main(["fingerprint", "read", str(path), "--profile-out", "compiled", str(out), "--residual",
-                 "round_at_attention"]) == 0
+    assert (
+        main(
+            [
+                "fingerprint",
+                "read",
+                str(path),
+                "--profile-out",
+                "compiled",
+                str(out),
+                "--residual",
+                "round_at_attention",
+            ]
+        )
+        == 0
+    )
     got, vllm = Profile.load(out), get_profile("vllm")
     assert str(got.rms_norm) == "round_before_weight"  # the model's shapes, not the generic cases'
     assert all(getattr(got, r) == getattr(vllm, r) for r in REGIONS if r != "rms_norm")
@@ -510,8 +623,13 @@ def test_native_dry_run_end_to_end(tmp_path, capsys):
     assert main(["fingerprint", "make", "--model", "shipped", "--out", str(tmp_path / "b.pt")]) == 0
     assert main(["fingerprint", "runner", "--out", str(tmp_path / "run_fingerprint.py")]) == 0
     capsys.readouterr()
-    proc = subprocess.run([sys.executable, "run_fingerprint.py", "b.pt", "--engine", "native", "--device", "cpu",
-                           "--out", "r.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "run_fingerprint.py", "b.pt", "--engine", "native", "--device", "cpu", "--out", "r.pt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "cases x eager, compiled" in proc.stdout
 
@@ -528,8 +646,21 @@ def test_native_dry_run_end_to_end(tmp_path, capsys):
     assert "roundalign fit" in compiled["regions"]["residual"]["note"]
 
     profile = tmp_path / "p.json"
-    assert main(["fingerprint", "read", str(tmp_path / "r.pt"), "--profile-out", "compiled", str(profile),
-                 "--residual", "round_at_attention"]) == 0
+    assert (
+        main(
+            [
+                "fingerprint",
+                "read",
+                str(tmp_path / "r.pt"),
+                "--profile-out",
+                "compiled",
+                str(profile),
+                "--residual",
+                "round_at_attention",
+            ]
+        )
+        == 0
+    )
     got, vllm = Profile.load(profile), get_profile("vllm")
     for region in REGIONS:  # the battery covers every region
         assert getattr(got, region) == getattr(vllm, region), region

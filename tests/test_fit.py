@@ -46,10 +46,16 @@ def completions():
 
 def engine_dump(completions, profile, mode="prefill", model=None, backend="kernels", temperature=1.0):
     engine = Engine(model if model is not None else models.path(), profile, backend=backend)
-    lps = engine.score([c.prompt_token_ids for c in completions], [c.token_ids for c in completions], mode=mode,
-                       temperature=temperature)
-    return [Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
-            for c, lp in zip(completions, lps, strict=True)]
+    lps = engine.score(
+        [c.prompt_token_ids for c in completions],
+        [c.token_ids for c in completions],
+        mode=mode,
+        temperature=temperature,
+    )
+    return [
+        Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
+        for c, lp in zip(completions, lps, strict=True)
+    ]
 
 
 def assert_determined_regions_true(result, profile):
@@ -104,8 +110,11 @@ def test_sign_test_counts_closer_tokens():
 def test_fit_recovers_each_profile_from_its_prefill_dump(shipped, completions, profile, tmp_path):
     # Through the dump file: fit takes what the reader returns (one Rollout type everywhere).
     write_engine_logprobs(tmp_path / "dump.jsonl", engine_dump(completions, profile))
-    dump = read_engine_logprobs(tmp_path / "dump.jsonl", vocab_size=shipped.config.vocab_size,
-                                max_model_len=shipped.config.max_position_embeddings)
+    dump = read_engine_logprobs(
+        tmp_path / "dump.jsonl",
+        vocab_size=shipped.config.vocab_size,
+        max_model_len=shipped.config.max_position_embeddings,
+    )
     result = fit(shipped, dump, screen_tokens=SCREEN)
     truth = result.space.key_of(profile)
     assert truth in result.equivalents, f"{profile}: fitted {result.best.candidate.label()}"
@@ -197,8 +206,13 @@ def _noisy(model, sigma: float, seed: int = 0):
 def test_wrong_checkpoint_or_processed_logprobs_are_not_fitted(shipped, completions):
     cases = {
         "3% weight noise": engine_dump(completions, "vllm", model=_noisy(shipped, 0.03)),
-        "another init": engine_dump(completions, "vllm", model=copy.deepcopy(shipped).apply(
-            lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)),
+        "another init": engine_dump(
+            completions,
+            "vllm",
+            model=copy.deepcopy(shipped).apply(
+                lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None
+            ),
+        ),
         "temperature 0.9": engine_dump(completions, "vllm", temperature=0.9),
     }
     for name, dump in cases.items():
@@ -222,8 +236,21 @@ def _write(path, dump):
 def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, capsys):
     _write(tmp_path / "dump.jsonl", engine_dump(completions, "sglang"))
     out = tmp_path / "fit"
-    assert main(["fit", "--engine-logprobs", str(tmp_path / "dump.jsonl"), "--out", str(out),
-                 "--screen-tokens", str(SCREEN), "--json"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--engine-logprobs",
+                str(tmp_path / "dump.jsonl"),
+                "--out",
+                str(out),
+                "--screen-tokens",
+                str(SCREEN),
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert set(report["named_matches"]) == {"sglang", "aligned"}  # identical at head_dim 64
     assert report["regions"]["expert_swiglu"]["status"] == "not exercised"
@@ -236,8 +263,20 @@ def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, c
     assert main(["profiles", str(out / "profile.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["name"] == saved.name
     # The table output.
-    assert main(["fit", "--engine-logprobs", str(tmp_path / "dump.jsonl"), "--out", str(out),
-                 "--screen-tokens", str(SCREEN)]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--engine-logprobs",
+                str(tmp_path / "dump.jsonl"),
+                "--out",
+                str(out),
+                "--screen-tokens",
+                str(SCREEN),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "fitted rule per region" in text and "sglang, aligned" in text
     assert "192 candidates (2 x 3 x 4 x 4 x 2 rules" in text and "x 4 sequences (160 tokens) = 768 forwards" in text
@@ -245,8 +284,17 @@ def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, c
 
 def test_cli_refuses_a_wrong_checkpoint_with_status_5(shipped, completions, tmp_path, capsys):
     _write(tmp_path / "dump.jsonl", engine_dump(completions, "vllm", model=_noisy(shipped, 0.1)))
-    status = main(["fit", "--engine-logprobs", str(tmp_path / "dump.jsonl"), "--out", str(tmp_path / "o"),
-                   "--screen-tokens", str(SCREEN)])
+    status = main(
+        [
+            "fit",
+            "--engine-logprobs",
+            str(tmp_path / "dump.jsonl"),
+            "--out",
+            str(tmp_path / "o"),
+            "--screen-tokens",
+            str(SCREEN),
+        ]
+    )
     assert status == 5
     assert "not explained by any rounding profile" in capsys.readouterr().out
     assert not (tmp_path / "o" / "profile.json").exists()

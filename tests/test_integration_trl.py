@@ -56,10 +56,12 @@ class Capture(TrainerCallback):
             output = inner(inputs)
             r = rollout.last_rollout
             # The engine has not been synced since it sampled these (that happens after the optimizer step).
-            rescored = rollout.engine.score(r["prompt_ids"], r["completion_ids"], mode="decode",
-                                            temperature=TEMPERATURE)
-            prefill = rollout.engine.score(r["prompt_ids"], r["completion_ids"], mode="prefill",
-                                           temperature=TEMPERATURE)
+            rescored = rollout.engine.score(
+                r["prompt_ids"], r["completion_ids"], mode="decode", temperature=TEMPERATURE
+            )
+            prefill = rollout.engine.score(
+                r["prompt_ids"], r["completion_ids"], mode="prefill", temperature=TEMPERATURE
+            )
             # The policy's plain forward (logits, no fused LM head) on TRL's padded batch, under TRL's autocast.
             ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -68,8 +70,9 @@ class Capture(TrainerCallback):
             start = output["prompt_ids"].shape[1] - 1
             padded = (logits[:, start:-1].float() / TEMPERATURE).log_softmax(-1)
             padded = padded.gather(2, output["completion_ids"][..., None])[..., 0]
-            self.batches.append({"output": output, "rollout": r, "rescored": rescored, "prefill": prefill,
-                                 "padded_forward": padded})
+            self.batches.append(
+                {"output": output, "rollout": r, "rescored": rescored, "prefill": prefill, "padded_forward": padded}
+            )
             return output
 
         trainer._generate_and_score_completions = outer
@@ -88,10 +91,16 @@ def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1
     """3 steps of the policy patched ``vllm`` sampled by a ``vllm`` engine, recorded by ``Capture``."""
     model, tokenizer = trl_setup.policy(fp32)
     patch_policy(model, "vllm")
-    trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), fp32=fp32, steps=steps, temperature=TEMPERATURE,
-                                **config)
-    rollout = EngineRolloutFunc(engine_profile="vllm", sync=sync, seed=3, attribution_every=attribution_every,
-                            prefill_check=attribution_every > 0)
+    trainer = trl_setup.trainer(
+        model, tokenizer, str(tmp_path), fp32=fp32, steps=steps, temperature=TEMPERATURE, **config
+    )
+    rollout = EngineRolloutFunc(
+        engine_profile="vllm",
+        sync=sync,
+        seed=3,
+        attribution_every=attribution_every,
+        prefill_check=attribution_every > 0,
+    )
     rollout.attach(trainer)
     capture = Capture(trainer, rollout)
     trainer.train()
@@ -115,13 +124,21 @@ def test_stock_trl_applies_no_is_correction_to_a_rollout_func(tmp_path):
 
     def rollout_func(prompts, trainer):
         ids = trainer._tokenize_prompts(prompts)[0]
-        outs = engine.generate(ids, SamplingParams(temperature=TEMPERATURE, max_tokens=40, seed=0,
-                                                   logprobs_mode="processed", stop_token_ids=(0,)))
-        return {"prompt_ids": ids, "completion_ids": [o.token_ids for o in outs],
-                "logprobs": [o.logprobs for o in outs]}
+        outs = engine.generate(
+            ids,
+            SamplingParams(
+                temperature=TEMPERATURE, max_tokens=40, seed=0, logprobs_mode="processed", stop_token_ids=(0,)
+            ),
+        )
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [o.token_ids for o in outs],
+            "logprobs": [o.logprobs for o in outs],
+        }
 
-    trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), steps=1, temperature=TEMPERATURE,
-                                rollout_func=rollout_func)
+    trainer = trl_setup.trainer(
+        model, tokenizer, str(tmp_path), steps=1, temperature=TEMPERATURE, rollout_func=rollout_func
+    )
     log_mismatch(trainer, "vllm")  # our metrics without EngineRolloutFunc: the logger recomputes what TRL skipped
     inner = trainer._generate_and_score_completions
 
@@ -130,8 +147,9 @@ def test_stock_trl_applies_no_is_correction_to_a_rollout_func(tmp_path):
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         with torch.no_grad():  # TRL's own log-prob method, as it would compute old_per_token_logps
-            old = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
-                                                             output["completion_ids"].size(1), batch_size=8)[0]
+            old = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, output["completion_ids"].size(1), batch_size=8
+            )[0]
         outputs.append((output, old))
         return output
 
@@ -147,8 +165,9 @@ def test_stock_trl_applies_no_is_correction_to_a_rollout_func(tmp_path):
     assert "loss" in logs and not [k for k in logs if k.startswith("sampling/")]
     # log_mismatch's k3 (verl's formula) is the trainer's recompute against the sampler's log-probs.
     mask = output["completion_mask"].bool()
-    rho = torch.cat([(o.double() - s.double())[m] for o, s, m in
-                     zip(old, output["sampling_per_token_logps"], mask, strict=True)])
+    rho = torch.cat(
+        [(o.double() - s.double())[m] for o, s, m in zip(old, output["sampling_per_token_logps"], mask, strict=True)]
+    )
     assert logs["rollout_corr/k3_kl"] == (torch.expm1(rho) - rho).mean().item() > 0
 
 
@@ -170,8 +189,9 @@ def test_trl_is_correction_and_sampling_metrics_use_the_engine_logprobs(aligned_
         out, rescored = batch["output"], batch["rescored"]
         mask = out["completion_mask"].bool()
         # The engine's decode log-probs, re-scored independently, are what TRL holds as the sampler's.
-        for row, m, lp, returned in zip(out["sampling_per_token_logps"], mask, rescored, batch["rollout"]["logprobs"],
-                                        strict=True):
+        for row, m, lp, returned in zip(
+            out["sampling_per_token_logps"], mask, rescored, batch["rollout"]["logprobs"], strict=True
+        ):
             assert torch.equal(row[m], lp) and torch.equal(lp, torch.tensor(returned))
         engine = _padded(rescored, mask.shape[1])
         old = out["old_per_token_logps"]
@@ -193,9 +213,18 @@ def test_trl_is_correction_and_sampling_metrics_use_the_engine_logprobs(aligned_
 def test_metrics_appear_in_the_log_history(aligned_run):
     trainer, _, _ = aligned_run
     regions = ("rms_norm", "qk_norm", "residual", "rope", "swiglu")
-    expected = ["rollout_corr/k3_kl", "rollout_corr/raw_is_min", "rollout_corr/raw_is_max",
-                "rollout_corr/rollout_is_ratio_fraction_high", "mismatch/log_ratio_rms", *SYNC_KEYS,
-                "attribution/base/k3_kl", "attribution/target/k3_kl", "prefill/k3_kl", "prefill/bitwise_equal_frac"]
+    expected = [
+        "rollout_corr/k3_kl",
+        "rollout_corr/raw_is_min",
+        "rollout_corr/raw_is_max",
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "mismatch/log_ratio_rms",
+        *SYNC_KEYS,
+        "attribution/base/k3_kl",
+        "attribution/target/k3_kl",
+        "prefill/k3_kl",
+        "prefill/bitwise_equal_frac",
+    ]
     expected += [f"attribution/{r}/{kind}" for r in regions for kind in ("switch", "alone")]
     for log in trl_setup.step_logs(trainer):
         missing = [k for k in expected if k not in log]
@@ -302,8 +331,9 @@ def test_rollout_honours_trl_sampling_settings(tmp_path):
     assert out["prompt_ids"][0] == tokenizer(prompts[0])["input_ids"]
 
 
-@pytest.mark.parametrize(("setting", "value"), [("min_p", 0.1), ("repetition_penalty", 1.1),
-                                                 ("generation_kwargs", {"num_beams": 2})])
+@pytest.mark.parametrize(
+    ("setting", "value"), [("min_p", 0.1), ("repetition_penalty", 1.1), ("generation_kwargs", {"num_beams": 2})]
+)
 def test_unsupported_generation_settings_are_refused(tmp_path, setting, value):
     model, tokenizer = trl_setup.policy(fp32=True)
     trainer = trl_setup.trainer(model, tokenizer, str(tmp_path), **{setting: value})
@@ -361,8 +391,22 @@ def test_ddp_two_processes_train_and_log(tmp_path):
     accelerate = Path(sys.executable).with_name("accelerate")
     # Not `--cpu`: with it accelerate 1.15 uses its single-process launcher (multi-CPU only through MPI), and the
     # script runs once with world size 1. `--multi_gpu` starts torchrun, and without a GPU every rank joins gloo.
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "bf16", "--dynamo_backend", "no", str(script), "--out", str(tmp_path)]
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        "--out",
+        str(tmp_path),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -376,7 +420,12 @@ def test_ddp_two_processes_train_and_log(tmp_path):
     logs0, logs1 = ranks[0]["logs"], ranks[1]["logs"]
     assert len(logs0) == 2
     for a, b in zip(logs0, logs1, strict=True):
-        for key in ("rollout_corr/k3_kl", "sampling/sampling_logp_difference/mean", "sync/visible_fraction",
-                    "attribution/base/k3_kl", "prefill/k3_kl"):
+        for key in (
+            "rollout_corr/k3_kl",
+            "sampling/sampling_logp_difference/mean",
+            "sync/visible_fraction",
+            "attribution/base/k3_kl",
+            "prefill/k3_kl",
+        ):
             assert key in a and a[key] == b[key], key  # gathered over both ranks: the same number on each
         assert a["attribution/target/prefill_k3_kl"] < a["attribution/base/prefill_k3_kl"]

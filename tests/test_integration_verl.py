@@ -48,15 +48,21 @@ def _cuts(n: int) -> list[tuple[int, int]]:
 
 # ---- ShardExporter: shards add up to the full-tensor export ---------------------------------------------------------
 
+
 def test_stochastic_shards_equal_blockwise_full_export():
     n, name, seed = 2 * BLOCK + 77, "model.layers.0.mlp.up_proj.weight", 11
     m = _masters(n, 0)
     for version in (0, 1):
-        want = torch.cat([
-            export_bf16(m[b * BLOCK:(b + 1) * BLOCK], "stochastic",
-                        ExportState.seeded(tensor_seed(seed, f"{name}@v{version}#{b}")))
-            for b in range(3)
-        ])
+        want = torch.cat(
+            [
+                export_bf16(
+                    m[b * BLOCK : (b + 1) * BLOCK],
+                    "stochastic",
+                    ExportState.seeded(tensor_seed(seed, f"{name}@v{version}#{b}")),
+                )
+                for b in range(3)
+            ]
+        )
         exporter = ShardExporter("stochastic", seed=seed)
         exporter.version = version
         got = torch.cat([exporter.export(name, m[a:b].clone(), a) for a, b in _cuts(n)])
@@ -115,6 +121,7 @@ def test_exporter_bad_input():
 
 # ---- patch_actor at the seam ----------------------------------------------------------------------------------------
 
+
 def _fp32_actor():
     return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
 
@@ -124,10 +131,13 @@ def _liger_like(model, restore_classes: bool):
     ``_bind_method_to_module`` puts forward/extra_repr/_get_name in the instance ``__dict__``; a model built after
     ``apply_liger_kernel_to_qwen3`` holds Liger classes instead."""
     liger = types.ModuleType("liger_kernel.transformers.rms_norm")
-    exec("def forward(self, x):\n    raise AssertionError('Liger kernel ran')\n"
-         "def extra_repr(self):\n    return 'liger'\n"
-         "class LigerRMSNorm(__import__('torch').nn.Module):\n    pass\n"
-         "class LigerSwiGLUMLP(__import__('torch').nn.Module):\n    pass\n", liger.__dict__)
+    exec(
+        "def forward(self, x):\n    raise AssertionError('Liger kernel ran')\n"
+        "def extra_repr(self):\n    return 'liger'\n"
+        "class LigerRMSNorm(__import__('torch').nn.Module):\n    pass\n"
+        "class LigerSwiGLUMLP(__import__('torch').nn.Module):\n    pass\n",
+        liger.__dict__,
+    )
     count = 0
     for name, sub in model.named_modules():
         kind = "LigerRMSNorm" if name.endswith("norm") else "LigerSwiGLUMLP" if name.endswith("mlp") else None
@@ -189,12 +199,15 @@ def test_write_rollout_logprobs_unpads_a_verl_batch(tmp_path):
     assert write_rollout_logprobs(batch, tmp_path / "dump.jsonl") == 2
     got = read_engine_logprobs(tmp_path / "dump.jsonl", vocab_size=264, max_model_len=256)
     assert [(r.prompt_token_ids, r.token_ids, r.logprobs) for r in got] == [
-        ([5, 6], [11, 12], [-0.5, -0.25]), ([7, 8, 9, 10], [13], [-1.5])]
+        ([5, 6], [11, 12], [-0.5, -0.25]),
+        ([7, 8, 9, 10], [13], [-1.5]),
+    ]
     with pytest.raises(KeyError, match="calculate_log_probs"):
         write_rollout_logprobs({k: v for k, v in batch.items() if k != "rollout_log_probs"}, tmp_path / "x.jsonl")
 
 
 # ---- activation -----------------------------------------------------------------------------------------------------
+
 
 def test_settings_from_env_and_runtime_env():
     assert settings_from_env({}) is None
@@ -233,8 +246,9 @@ print(env["worker_process_setup_hook"], env["env_vars"]["ROUNDALIGN_SYNC"])
 def test_activation_installs_on_import_and_main_ppo_adds_the_ray_hook():
     require_verl()
     env = dict(os.environ, ROUNDALIGN_PROFILE="vllm", ROUNDALIGN_SYNC="stochastic", ROUNDALIGN_SYNC_SEED="3")
-    out = subprocess.run([sys.executable, "-c", _ACTIVATION_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _ACTIVATION_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-2] == ("vllm stochastic roundalign.integrations.verl.hooks roundalign.integrations.verl.hooks")
@@ -272,6 +286,7 @@ def test_ray_workers_get_the_variables_and_run_the_setup_hook():
 
 
 # ---- verl's real FSDPEngine on 2 gloo ranks -------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def actor_runs():

@@ -41,10 +41,12 @@ def _capture(model) -> tuple[dict, list]:
     handles = []
     for name, module in model.named_modules():
         if hasattr(type(module), "_roundalign_hf_class"):  # patched (FSDP2 subclasses it again: FSDPAligned...)
+
             def hook(_m, _a, out, name=name):
                 out = out[0] if isinstance(out, tuple) else out
                 if isinstance(out, torch.Tensor):
                     seen[name] = out.detach().clone()
+
             handles.append(module.register_forward_hook(hook))
     return seen, handles
 
@@ -189,8 +191,15 @@ def _bf16_reference(family: str, profile: str, seeds=(1,)):
 
 
 # (family, profile, autocast): verl's actor runs its FSDP2 forward under torch.autocast(param_dtype) as well.
-FSDP_CASES = [("qwen3", "hf", False), ("qwen3", "vllm", False), ("qwen3", "sglang", False), ("llama", "aligned", False),
-              ("qwen3_moe", "vllm", False), ("qwen3", "sglang", True), ("qwen3_moe", "aligned", True)]
+FSDP_CASES = [
+    ("qwen3", "hf", False),
+    ("qwen3", "vllm", False),
+    ("qwen3", "sglang", False),
+    ("llama", "aligned", False),
+    ("qwen3_moe", "vllm", False),
+    ("qwen3", "sglang", True),
+    ("qwen3_moe", "aligned", True),
+]
 
 
 @pytest.mark.slow
@@ -212,8 +221,11 @@ def test_fsdp2_mixed_precision_equals_single_process_bf16():
             for name, g in grads.items():
                 assert_bitwise_equal(got["grads"][name], g, f"{what} grad {name}")
         if profile != "hf" and family != "qwen3_moe":
-            assert_bitwise_equal(ranks[0][i]["logits"], reference_logits(
-                _pair(family)[1], config(family), token_ids(), profile), f"{family}/{profile} independent reference")
+            assert_bitwise_equal(
+                ranks[0][i]["logits"],
+                reference_logits(_pair(family)[1], config(family), token_ids(), profile),
+                f"{family}/{profile} independent reference",
+            )
 
 
 @pytest.mark.slow

@@ -23,16 +23,24 @@ from tests.models import FAMILIES, build, loss_and_grads, token_ids
 def test_generate_with_kv_cache(family):
     model = roundalign.apply(build(family), "vllm")
     ids = token_ids(batch=2, length=7)
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                         use_cache=True, pad_token_id=0)
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        use_cache=True,
+        pad_token_id=0,
+    )
     prefill = model(ids, logits_to_keep=1).logits[:, -1].float()  # the lm_head call generate makes (one row each)
     assert torch.equal(out.scores[0], prefill)
     uncached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=0)
     assert torch.equal(out.sequences, uncached)
     # The decode steps ran through the aligned layers with a cache (not a silent fallback to stock).
     roundalign.revert(model)
-    stock = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                           pad_token_id=0)
+    stock = model.generate(
+        ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0
+    )
     assert not all(torch.equal(a, b) for a, b in zip(out.scores[1:], stock.scores[1:], strict=True))
 
 
@@ -96,7 +104,7 @@ def test_last_hidden_state_is_final_norm_of_fp32_sum():
     expected = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(torch.bfloat16)
     assert torch.equal(out.last_hidden_state, expected)
     from_rounded = r.float()
-    rounded = (from_rounded * torch.rsqrt(from_rounded.pow(2).mean(-1, keepdim=True) + eps) * w.float())
+    rounded = from_rounded * torch.rsqrt(from_rounded.pow(2).mean(-1, keepdim=True) + eps) * w.float()
     assert not torch.equal(out.last_hidden_state, rounded.to(torch.bfloat16))  # it really read S, not R
 
 
@@ -122,8 +130,10 @@ def test_torch_compile_equals_eager(family):
             logits_c, grads_c = loss_and_grads(compiled_model, ids)
         differ = [k for k in grads_e if not torch.equal(grads_e[k], grads_c[k])]
         same_logits = (logits_e == logits_c).float().mean().item()
-        print(f"{family} emulate_precision_casts={emulate}: logits {same_logits:.2%} bitwise equal, "
-              f"{len(differ)}/{len(grads_e)} gradients differ")
+        print(
+            f"{family} emulate_precision_casts={emulate}: logits {same_logits:.2%} bitwise equal, "
+            f"{len(differ)}/{len(grads_e)} gradients differ"
+        )
         # MoE: the router/expert combine (bf16 multiply by the routing weight, index_add_, and its scatter/gather
         # backward) is stock code that Inductor fuses in fp32, as it does for stock HF; it is not a
         # rounding-alignment region. Its forward matches eager only with emulate_precision_casts, its backward not.
@@ -138,10 +148,12 @@ def test_torch_compile_equals_eager(family):
 
 def test_rope_angles_same_for_both_loading_paths(tmp_path):
     build("llama").save_pretrained(tmp_path)
-    loaded_bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                                     attn_implementation="eager")
-    cast_bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                                   attn_implementation="eager").to(torch.bfloat16)
+    loaded_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation="eager"
+    )
+    cast_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).to(torch.bfloat16)
     assert loaded_bf16.model.rotary_emb.inv_freq.dtype == torch.float32
     assert cast_bf16.model.rotary_emb.inv_freq.dtype == torch.bfloat16  # what verl's .to(dtype) does
     ids = token_ids(length=40)  # long enough that bf16 inv_freq moves the angles
@@ -169,10 +181,21 @@ def test_rope_angles_survive_a_later_cast(tmp_path):
 @pytest.mark.parametrize(
     "family,rope",
     [
-        ("llama", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-        ("qwen3", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                   "original_max_position_embeddings": 64}),
+        (
+            "llama",
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        (
+            "qwen3",
+            {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        ),
     ],
 )
 def test_scaled_rope_types_patch_and_run(family, rope):

@@ -61,8 +61,9 @@ def test_state_dict_unchanged_and_checkpoint_round_trip(family, tmp_path):
     after = model.state_dict()
     _assert_same(before, after)
     model.save_pretrained(tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                                attn_implementation="eager")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation="eager"
+    )
     _assert_same(before, loaded.state_dict())
     roundalign.apply(loaded, "aligned")
     ids = token_ids()
@@ -109,8 +110,14 @@ def test_sglang_head_dim_rule():
 
 
 def test_unsupported_model_type_lists_supported():
-    cfg = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    cfg = transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"model_type 'mistral'.*qwen2, qwen3, qwen3_moe, llama"):
         roundalign.apply(model, "vllm")

@@ -507,8 +507,13 @@ shapes = st.lists(st.integers(1, 9), min_size=0, max_size=2).map(tuple)
 
 
 @_hyp
-@given(lead=shapes, d=st.integers(1, 200), mode=st.sampled_from(MODES), seed=st.integers(0, 2**31),
-       eps=st.sampled_from([1e-6, 1e-5, 0.0, 1e-12]))
+@given(
+    lead=shapes,
+    d=st.integers(1, 200),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**31),
+    eps=st.sampled_from([1e-6, 1e-5, 0.0, 1e-12]),
+)
 def test_hypothesis_rms_norm(lead, d, mode, seed, eps):
     g = gen(seed)
     x, w = make((*lead, d), mode, g), make((d,), mode, g)
@@ -527,8 +532,15 @@ def test_hypothesis_add_rms_norm(lead, d, mode, seed):
 
 
 @_hyp
-@given(b=st.integers(1, 3), h=st.integers(1, 4), t=st.integers(1, 9), half=st.integers(1, 80),
-       mode=st.sampled_from(MODES), seed=st.integers(0, 2**31), real_angles=st.booleans())
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 4),
+    t=st.integers(1, 9),
+    half=st.integers(1, 80),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**31),
+    real_angles=st.booleans(),
+)
 def test_hypothesis_rope(b, h, t, half, mode, seed, real_angles):
     g = gen(seed)
     d = 2 * half
@@ -545,13 +557,19 @@ def test_hypothesis_rope(b, h, t, half, mode, seed, real_angles):
     w = make((d,), mode, g)
     for rounding in ROPE_ROUNDINGS:  # fp32 x from a fused q norm
         xn = ops.rms_norm(x, w, EPS, "fused_into_rope")
-        assert_bitwise_equal(ops.rope(xn, c32, s32, rounding), ref.rope(ref.rms_norm_fp32(x, w, EPS), c32, s32,
-                                                                         rounding), "fused q norm -> rope")
+        assert_bitwise_equal(
+            ops.rope(xn, c32, s32, rounding),
+            ref.rope(ref.rms_norm_fp32(x, w, EPS), c32, s32, rounding),
+            "fused q norm -> rope",
+        )
 
 
 @_hyp
-@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple), mode=st.sampled_from(MODES),
-       seed=st.integers(0, 2**31))
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**31),
+)
 def test_hypothesis_swiglu(shape, mode, seed):
     g = gen(seed)
     gate, up = make(shape, mode, g), make(shape, mode, g)
@@ -569,8 +587,9 @@ def test_out_dtype():
     assert ops.rms_norm(x, w, EPS, "round_after_weight").dtype == BF16
     assert ops.rms_norm(x, w, EPS, "fused_into_rope").dtype == FP32
     # explicit fp32: no rounding at all for round_after_weight
-    assert_bitwise_equal(ops.rms_norm(x, w, EPS, "round_after_weight", out_dtype=FP32),
-                         ref.rms_norm_fp32(x, w, EPS), "out_dtype=fp32")
+    assert_bitwise_equal(
+        ops.rms_norm(x, w, EPS, "round_after_weight", out_dtype=FP32), ref.rms_norm_fp32(x, w, EPS), "out_dtype=fp32"
+    )
     # fp16 model: r() rounds to fp16
     x16, w16 = x.to(torch.float16), w.to(torch.float16)
     for rule in RMS_RULES:
@@ -578,14 +597,21 @@ def test_out_dtype():
         assert_bitwise_equal(got, ref.RMS_NORM[rule](x16, w16, EPS, torch.float16), f"fp16 {rule}")
     # fp32 weight (e.g. fp32 master weights): HF's w32 * r(x*nu) stays fp32 (fact sheet s3); the fused rule rounds
     w32 = w.float()
-    assert_bitwise_equal(ops.rms_norm(x, w32, EPS, "round_before_weight"),
-                         w32 * ref.r(x.float() * ref.nu(x.float(), EPS)).float(), "fp32 weight, before")
-    assert_bitwise_equal(ops.rms_norm(x, w32, EPS, "round_after_weight"),
-                         ref.rms_norm_round_after_weight(x, w32, EPS), "fp32 weight, after")
+    assert_bitwise_equal(
+        ops.rms_norm(x, w32, EPS, "round_before_weight"),
+        w32 * ref.r(x.float() * ref.nu(x.float(), EPS)).float(),
+        "fp32 weight, before",
+    )
+    assert_bitwise_equal(
+        ops.rms_norm(x, w32, EPS, "round_after_weight"),
+        ref.rms_norm_round_after_weight(x, w32, EPS),
+        "fp32 weight, after",
+    )
     # fp32 input (the fp32 sum S) is rounded to bf16
     s = x.float() * 1.001
-    assert_bitwise_equal(ops.rms_norm(s, w, EPS, "round_before_weight"),
-                         ref.rms_norm_round_before_weight(s, w, EPS), "fp32 x")
+    assert_bitwise_equal(
+        ops.rms_norm(s, w, EPS, "round_before_weight"), ref.rms_norm_round_before_weight(s, w, EPS), "fp32 x"
+    )
     # residual: R in h's dtype, S fp32
     r_, s_ = ops.residual_add(x, x, "normalize_fp32_sum")
     assert (r_.dtype, s_.dtype) == (BF16, FP32)
@@ -599,8 +625,11 @@ def test_out_dtype():
     want = ref.rope_fp32_pre_round(xn, c32, s32)
     assert_bitwise_equal(ops.rope(xn, c32, s32, "once", out_dtype=FP32), want, "rope out_dtype=fp32")
     for rounding in ROPE_ROUNDINGS:  # out_dtype picks what an fp32 x rounds to
-        assert_bitwise_equal(ops.rope(xn, c32, s32, rounding, out_dtype=torch.float16),
-                             ref.rope(xn, c32, s32, rounding, torch.float16), f"rope {rounding} out_dtype=fp16")
+        assert_bitwise_equal(
+            ops.rope(xn, c32, s32, rounding, out_dtype=torch.float16),
+            ref.rope(xn, c32, s32, rounding, torch.float16),
+            f"rope {rounding} out_dtype=fp16",
+        )
     # swiglu: gate's dtype
     gate, up = randn_bf16((3, 8), g), randn_bf16((3, 8), g)
     assert ops.swiglu(gate, up, "once").dtype == BF16
@@ -625,10 +654,15 @@ def test_float64_turns_rounding_off():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda x: ops.rms_norm(x, x[0], EPS, "round_sometimes"), r"'round_sometimes'.*round_before_weight.*"
-                                                                  r"round_after_weight.*fused_into_rope"),
-        (lambda x: ops.add_rms_norm(x, x, x[0], EPS, "round_after_weight", "normalize_nothing"),
-         r"'normalize_nothing'.*'normalize_rounded_sum'.*'normalize_fp32_sum'"),
+        (
+            lambda x: ops.rms_norm(x, x[0], EPS, "round_sometimes"),
+            r"'round_sometimes'.*round_before_weight.*"
+            r"round_after_weight.*fused_into_rope",
+        ),
+        (
+            lambda x: ops.add_rms_norm(x, x, x[0], EPS, "round_after_weight", "normalize_nothing"),
+            r"'normalize_nothing'.*'normalize_rounded_sum'.*'normalize_fp32_sum'",
+        ),
         (lambda x: ops.residual_add(x, x, "fp64"), r"unknown residual rule 'fp64'"),
         (lambda x: ops.rope(x, x, x, "twice"), r"unknown rope rounding rule 'twice'.*'per_op'.*'once'"),
         (lambda x: ops.rope(x[..., :5], x[..., :5], x[..., :5], "once"), r"even head_dim, got 5"),
@@ -647,10 +681,20 @@ def test_errors(call, match):
 
 
 COMPILE_COMBOS = {
-    "hf_rules": dict(norm="round_before_weight", qk=("round_before_weight", "fused_into_rope"),
-                     residual="normalize_rounded_sum", rope="per_op", swiglu="round_silu"),
-    "once_rules": dict(norm="round_after_weight", qk=("round_after_weight", "fused_into_rope"),
-                       residual="normalize_fp32_sum", rope="once", swiglu="once"),
+    "hf_rules": dict(
+        norm="round_before_weight",
+        qk=("round_before_weight", "fused_into_rope"),
+        residual="normalize_rounded_sum",
+        rope="per_op",
+        swiglu="round_silu",
+    ),
+    "once_rules": dict(
+        norm="round_after_weight",
+        qk=("round_after_weight", "fused_into_rope"),
+        residual="normalize_fp32_sum",
+        rope="once",
+        swiglu="once",
+    ),
 }
 
 

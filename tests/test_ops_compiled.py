@@ -78,8 +78,13 @@ def test_add_rms_norm_from_an_fp32_residual():
     a = _values((2, 33, 300), 5)
     h32 = torch.randn((2, 33, 300), generator=gen(6)) * 3  # the fp32 S a never_round engine carries
     w = (1 + 0.5 * torch.randn(300, generator=gen(7))).to(BF16)
-    assert_same(lambda a, h, w, compiled: ops.add_rms_norm(a, h, w, EPS, "round_after_weight", "never_round",
-                                                            compiled=compiled), (a, h32, w), "add_rms_norm")
+    assert_same(
+        lambda a, h, w, compiled: ops.add_rms_norm(
+            a, h, w, EPS, "round_after_weight", "never_round", compiled=compiled
+        ),
+        (a, h32, w),
+        "add_rms_norm",
+    )
 
 
 @pytest.mark.parametrize("rounding", [r.value for r in RopeRounding])
@@ -90,8 +95,11 @@ def test_rope(rounding, cos_dtype, head_dim):
     theta = torch.arange(41, dtype=FP32)[:, None] * (1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
     emb = torch.cat((theta, theta), -1)[None, None]
     cos, sin = emb.cos().to(cos_dtype), emb.sin().to(cos_dtype)
-    assert_same(lambda x, c, s, compiled: ops.rope(x, c, s, rounding, out_dtype=BF16, compiled=compiled),
-                (x, cos, sin), f"{rounding}/{cos_dtype}")
+    assert_same(
+        lambda x, c, s, compiled: ops.rope(x, c, s, rounding, out_dtype=BF16, compiled=compiled),
+        (x, cos, sin),
+        f"{rounding}/{cos_dtype}",
+    )
 
 
 def test_rope_of_an_fp32_norm_output():
@@ -99,8 +107,11 @@ def test_rope_of_an_fp32_norm_output():
     x32 = torch.randn((1, 2, 29, 128), generator=gen(9))
     theta = torch.arange(29, dtype=FP32)[:, None] * (1e6 ** -(torch.arange(0, 128, 2) / 128))
     emb = torch.cat((theta, theta), -1)[None, None]
-    assert_same(lambda x, c, s, compiled: ops.rope(x, c, s, "once", out_dtype=BF16, compiled=compiled),
-                (x32, emb.cos(), emb.sin()), "fp32 in")
+    assert_same(
+        lambda x, c, s, compiled: ops.rope(x, c, s, "once", out_dtype=BF16, compiled=compiled),
+        (x32, emb.cos(), emb.sin()),
+        "fp32 in",
+    )
 
 
 @pytest.mark.parametrize("rule", [r.value for r in SwiGLURule])
@@ -118,8 +129,9 @@ def test_swiglu_odd_shape(rule):
     assert_same(lambda g, u, compiled: ops.swiglu(g, u, rule, compiled=compiled), (gate, up), rule)
 
 
-@pytest.mark.parametrize("family,profile", [("qwen3", "vllm"), ("qwen3", "sglang"), ("llama", "vllm-eager"),
-                                            ("qwen3_moe", "aligned")])
+@pytest.mark.parametrize(
+    "family,profile", [("qwen3", "vllm"), ("qwen3", "sglang"), ("llama", "vllm-eager"), ("qwen3_moe", "aligned")]
+)
 def test_apply_compile_ops_gives_the_same_model_bitwise(family, profile):
     """``apply(..., compile_ops=True)``: logits and every parameter gradient equal the eager-op model's."""
     import roundalign
@@ -136,5 +148,4 @@ def test_apply_compile_ops_gives_the_same_model_bitwise(family, profile):
     for name in grads_e:
         assert_bitwise_equal(grads_f[name], grads_e[name], name)
     roundalign.apply(fused, profile, compile_ops=False)  # the same profile again: only the switch changes
-    assert not any(m._roundalign_compile_ops for m in fused.modules()
-                   if hasattr(type(m), "_roundalign_compile_ops"))
+    assert not any(m._roundalign_compile_ops for m in fused.modules() if hasattr(type(m), "_roundalign_compile_ops"))

@@ -200,8 +200,12 @@ def test_grad_add_rms_norm(norm_rule, residual_rule):
         hf_module = lambda a, h, w: (hf_module_rms_norm(h + a, w), h + a)  # noqa: E731
         assert_grads_equal(got, grads_of(hf_module, (a, h, w), (gy, gr)), "add_rms_norm vs HF module")
     if norm_rule == "round_after_weight" and residual_rule == "normalize_fp32_sum":  # the once rules, literally
-        lit = grads_of(lambda a, h, w: ref.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule), (a, h, w),
-                       (gy, gr), leaf_dtype=FP32)
+        lit = grads_of(
+            lambda a, h, w: ref.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule),
+            (a, h, w),
+            (gy, gr),
+            leaf_dtype=FP32,
+        )
         assert_grads_equal(got, lit, "add_rms_norm once rules vs fp32 formula on fp32 leaves")
     other = "normalize_fp32_sum" if residual_rule == "normalize_rounded_sum" else "normalize_rounded_sum"
     other_grads = grads_of(add_norm_reference(norm_rule, other), (a, h, w), (gy, gr))
@@ -284,8 +288,9 @@ def test_grad_fused_qk_norm_rope_is_fp32_formula(cos_dtype, rounding):
     gy = randn((2, 3, 11, 128), g)
     chain = lambda q, w: ops.rope(ops.rms_norm(q, w, EPS, "fused_into_rope").transpose(1, 2), c, s, rounding)  # noqa
     got = grads_of(chain, (q, w), (gy,))
-    want = grads_of(lambda q, w: ref.qk_norm_then_rope(q, w, EPS, "fused_into_rope", c, s, rounding), (q, w), (gy,),
-                    leaf_dtype=FP32)
+    want = grads_of(
+        lambda q, w: ref.qk_norm_then_rope(q, w, EPS, "fused_into_rope", c, s, rounding), (q, w), (gy,), leaf_dtype=FP32
+    )
     assert_grads_equal(got, want, f"fused q_norm + rope {cos_dtype}/{rounding}")
 
 
@@ -327,8 +332,11 @@ def test_grad_swiglu_once_is_fp32_formula(expert):
 # ---------------------------------------------------------------------- whole regions of every named profile
 
 
-NORM_REF = {"round_before_weight": hf_rms_norm, "round_after_weight": lambda x, w: ref.rms_norm_round_after_weight(
-    x, w, EPS), "fused_into_rope": lambda x, w: ref.rms_norm_fp32(x, w, EPS)}
+NORM_REF = {
+    "round_before_weight": hf_rms_norm,
+    "round_after_weight": lambda x, w: ref.rms_norm_round_after_weight(x, w, EPS),
+    "fused_into_rope": lambda x, w: ref.rms_norm_fp32(x, w, EPS),
+}
 
 
 def rope_ref(rounding):
@@ -382,9 +390,17 @@ def test_grad_profile_decoder_regions(name):
         return fn
 
     inputs = (
-        randn((b, t, hidden), g, scale=4.0), randn((b, t, hidden), g), randn(hidden, g), randn(hidden, g),
-        randn(64, g), randn(96, g), randn((b, t, heads, 64), g), randn((b, t, heads, 96), g),
-        randn((b, t, 160), g, scale=3.0), randn((b, t, 160), g), randn((b * t, 2 * 48), g, scale=3.0),
+        randn((b, t, hidden), g, scale=4.0),
+        randn((b, t, hidden), g),
+        randn(hidden, g),
+        randn(hidden, g),
+        randn(64, g),
+        randn(96, g),
+        randn((b, t, heads, 64), g),
+        randn((b, t, heads, 96), g),
+        randn((b, t, 160), g, scale=3.0),
+        randn((b, t, 160), g),
+        randn((b * t, 2 * 48), g, scale=3.0),
     )
     with torch.no_grad():
         outs = layer(True)(*inputs)

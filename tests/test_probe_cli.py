@@ -100,8 +100,20 @@ def test_small_run_writes_report_rollouts_and_plots(capsys, tmp_path, model_dir)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("[1, 2, 3, 4]\n[5, 6]\n[7, 8, 9]\n")
     out = tmp_path / "out"
-    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--num-samples", "3", "--max-tokens", "6",
-            "--backends", "kernels", "--out", str(out)]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--num-samples",
+        "3",
+        "--max-tokens",
+        "6",
+        "--backends",
+        "kernels",
+        "--out",
+        str(out),
+    ]
     assert main(["probe", *argv]) == 0
     text = capsys.readouterr().out
     assert "k3" in text and "hf" in text and "vllm" in text
@@ -120,8 +132,13 @@ def test_sampling_options_with_an_imported_dump_are_errors(capsys, tmp_path, mod
     dump = tmp_path / "dump.jsonl"
     dump.write_text(json.dumps({"prompt_token_ids": [1, 2], "token_ids": [3, 4], "logprobs": [-0.5, -1.0]}) + "\n")
     argv = ["--model", str(model_dir), "--engine-logprobs", str(dump), "--out", str(tmp_path / "o")]
-    err = _fails(capsys, [*argv, "--num-samples", "3", "--temperature", "0.5"], "--num-samples", "--temperature",
-                 "would be ignored")
+    err = _fails(
+        capsys,
+        [*argv, "--num-samples", "3", "--temperature", "0.5"],
+        "--num-samples",
+        "--temperature",
+        "would be ignored",
+    )
     assert "Traceback" not in err
     _fails(capsys, [*argv, "--backends", "kernels"], "--backends")
     assert not (tmp_path / "o").exists()
@@ -129,8 +146,13 @@ def test_sampling_options_with_an_imported_dump_are_errors(capsys, tmp_path, mod
 
 def test_the_inductor_backend_refuses_a_profile_it_does_not_implement(capsys, tmp_path, model_dir):
     """The inductor backend runs vLLM's compiled code whatever the profile: under sglang it would be mislabelled."""
-    _fails(capsys, ["--model", str(model_dir), "--engine-profile", "sglang", "--backends", "inductor", "--out",
-                    str(tmp_path)], "inductor", "cannot serve profile 'sglang'", "kernels backend")
+    _fails(
+        capsys,
+        ["--model", str(model_dir), "--engine-profile", "sglang", "--backends", "inductor", "--out", str(tmp_path)],
+        "inductor",
+        "cannot serve profile 'sglang'",
+        "kernels backend",
+    )
 
 
 def test_by_default_backends_follow_the_profile_rules_not_its_name(tmp_path, model_dir):
@@ -140,19 +162,28 @@ def test_by_default_backends_follow_the_profile_rules_not_its_name(tmp_path, mod
 
     renamed = tmp_path / "mine.json"
     renamed.write_text(json.dumps(get_profile("vllm").to_dict() | {"name": "mine"}))
-    assert ProbeConfig(model=str(model_dir), engine_profile=str(renamed)).validate().backends == ("kernels",
-                                                                                                   "inductor")
+    assert ProbeConfig(model=str(model_dir), engine_profile=str(renamed)).validate().backends == ("kernels", "inductor")
     assert ProbeConfig(model=str(model_dir), engine_profile="sglang").validate().backends == ("kernels",)
 
 
 def test_unsupported_rope_type_is_bad_input_with_an_honest_hint(capsys, tmp_path):
     """A RoPE type whose angles roundalign does not compute ends in exit 2 and one message, not a traceback; it does
     not send the user to --engine-logprobs, which needs the same trainer-side patch."""
-    tiny_qwen3(seed=0, num_hidden_layers=1, vocab_size=64, hidden_size=64, intermediate_size=128,
-               rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(tmp_path)
+    tiny_qwen3(
+        seed=0,
+        num_hidden_layers=1,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    ).save_pretrained(tmp_path)
     capsys.readouterr()  # save_pretrained's progress bar
-    err = _fails(capsys, ["--model", str(tmp_path), "--out", str(tmp_path / "o")], "rope_type 'dynamic' is not "
-                 "supported", "cannot run on it")
+    err = _fails(
+        capsys,
+        ["--model", str(tmp_path), "--out", str(tmp_path / "o")],
+        "rope_type 'dynamic' is not supported",
+        "cannot run on it",
+    )
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

@@ -29,8 +29,9 @@ def model_dir(tmp_path_factory):
 
 def _prompts(n=5, vocab=256, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _cmp(report, trainer, backend, reference):
@@ -42,9 +43,17 @@ def _cmp(report, trainer, backend, reference):
 
 @pytest.mark.parametrize("engine_profile", ["vllm", "sglang", "aligned", "hf"])
 def test_trainer_equals_engine_at_prefill_kernels(model_dir, engine_profile):
-    cfg = ProbeConfig(model=str(model_dir), engine_profile=engine_profile, trainer_profiles=(engine_profile,),
-                      backends=("kernels",), prompts=_prompts(), num_samples=5, max_tokens=10, seed=1,
-                      layer_sequences=2)
+    cfg = ProbeConfig(
+        model=str(model_dir),
+        engine_profile=engine_profile,
+        trainer_profiles=(engine_profile,),
+        backends=("kernels",),
+        prompts=_prompts(),
+        num_samples=5,
+        max_tokens=10,
+        seed=1,
+        layer_sequences=2,
+    )
     report, _ = run_probe(cfg)
     m = _cmp(report, engine_profile, "kernels", "prefill")
     assert m["mismatch/bitwise_equal_frac"] == 1.0
@@ -57,9 +66,17 @@ def test_trainer_equals_engine_at_prefill_kernels(model_dir, engine_profile):
 
 
 def test_hf_trainer_against_vllm_engine_is_attributed(model_dir):
-    cfg = ProbeConfig(model=str(model_dir), engine_profile="vllm", trainer_profiles=("hf", "vllm"),
-                      backends=("kernels",), prompts=_prompts(8), num_samples=8, max_tokens=12, seed=2,
-                      layer_sequences=2)
+    cfg = ProbeConfig(
+        model=str(model_dir),
+        engine_profile="vllm",
+        trainer_profiles=("hf", "vllm"),
+        backends=("kernels",),
+        prompts=_prompts(8),
+        num_samples=8,
+        max_tokens=12,
+        seed=2,
+        layer_sequences=2,
+    )
     report, arrays = run_probe(cfg)
     hf = _cmp(report, "hf", "kernels", "prefill")
     assert hf["mismatch/bitwise_equal_frac"] < 1.0  # stock HF rounds elsewhere: some log-probs differ
@@ -78,14 +95,23 @@ def test_hf_trainer_against_vllm_engine_is_attributed(model_dir):
 
 
 def test_jsonl_import_matches_the_engine_decode_reference(model_dir, tmp_path):
-    cfg = ProbeConfig(model=str(model_dir), engine_profile="vllm", trainer_profiles=("hf",), backends=("kernels",),
-                      prompts=_prompts(4), num_samples=4, max_tokens=8, seed=4, layer_sequences=0)
+    cfg = ProbeConfig(
+        model=str(model_dir),
+        engine_profile="vllm",
+        trainer_profiles=("hf",),
+        backends=("kernels",),
+        prompts=_prompts(4),
+        num_samples=4,
+        max_tokens=8,
+        seed=4,
+        layer_sequences=0,
+    )
     report, arrays = run_probe(cfg)
     dump = tmp_path / "dump.jsonl"
-    write_engine_logprobs(dump, [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs)
-                                 for r in arrays["rollouts"]])
-    imported, _ = run_probe(ProbeConfig(model=str(model_dir), engine_profile="vllm", trainer_profiles=("hf",),
-                                        engine_logprobs=str(dump)))
+    write_engine_logprobs(dump, [Rollout(r.prompt_token_ids, r.token_ids, r.logprobs) for r in arrays["rollouts"]])
+    imported, _ = run_probe(
+        ProbeConfig(model=str(model_dir), engine_profile="vllm", trainer_profiles=("hf",), engine_logprobs=str(dump))
+    )
     assert _cmp(imported, "hf", "jsonl", "jsonl") == _cmp(report, "hf", "kernels", "decode")
     assert imported["layers"] == [] and imported["decode_shapes"] is None
     assert any("imported" in n for n in imported["notes"])
@@ -113,8 +139,14 @@ def test_trainer_hidden_states_are_the_pre_norm_residual(model_dir):
 def test_shipped_model_acceptance():
     """The acceptance fact on the shipped tiny-qwen3 with its default prompts: kernels backend, trainer profile ==
     engine profile, prefill reference: every log-prob bitwise equal, k3_kl exactly 0. Stock HF is not."""
-    cfg = ProbeConfig(engine_profile="vllm", trainer_profiles=("hf", "vllm"), backends=("kernels",), num_samples=8,
-                      max_tokens=32, layer_sequences=0)
+    cfg = ProbeConfig(
+        engine_profile="vllm",
+        trainer_profiles=("hf", "vllm"),
+        backends=("kernels",),
+        num_samples=8,
+        max_tokens=32,
+        layer_sequences=0,
+    )
     report, _ = run_probe(cfg)
     assert report["tokens"]["completion_tokens"] > 50
     aligned = _cmp(report, "vllm", "kernels", "prefill")

@@ -47,8 +47,14 @@ FACT_SHEET = {
     # s2 SGLang default CUDA row: FlashInfer r(x*nu*w) (q/k norm is the same RMSNorm op), fp32 S; RoPE fp32 cache
     # r(x1*c32 - x2*s32) for head_dim in {64,128,256,512}, else pos_enc.cuh r(r(x1*c16)-r(x2*s16)); JIT
     # activation r(silu(g)*u); s6: the rounded activation is only for MoE activation "silu_rounded".
-    "sglang": (AFTER, AFTER, FP32_SUM, {"head_dims": (64, 128, 256, 512), "rule": "fp32/once",
-                                         "other": "bf16/per_op"}, "once", "once"),
+    "sglang": (
+        AFTER,
+        AFTER,
+        FP32_SUM,
+        {"head_dims": (64, 128, 256, 512), "rule": "fp32/once", "other": "bf16/per_op"},
+        "once",
+        "once",
+    ),
     # Not an engine row: one rounding per region at its bf16 output with fp32 cos/sin (the FlashInfer/TE formulas).
     "aligned": (AFTER, AFTER, FP32_SUM, "fp32/once", "once", "once"),
     # s2 Liger row: llama mode r(r(x*nu)*w) (= HF; replaces Qwen3RMSNorm, q/k norm too); fused_add_rms_norm
@@ -94,8 +100,16 @@ def test_rule_enums_are_the_fact_sheet_choices():
 
 @pytest.mark.parametrize(
     "head_dim, expected",
-    [(64, "fp32/once"), (128, "fp32/once"), (256, "fp32/once"), (512, "fp32/once"),
-     (96, "bf16/per_op"), (80, "bf16/per_op"), (32, "bf16/per_op"), (192, "bf16/per_op")],
+    [
+        (64, "fp32/once"),
+        (128, "fp32/once"),
+        (256, "fp32/once"),
+        (512, "fp32/once"),
+        (96, "bf16/per_op"),
+        (80, "bf16/per_op"),
+        (32, "bf16/per_op"),
+        (192, "bf16/per_op"),
+    ],
 )
 def test_sglang_rope_for_head_dim(head_dim, expected):
     """s2 SGLang row: JIT rope.cuh with the fp32 cache for head_dim in {64,128,256,512}, pos_enc.cuh otherwise."""
@@ -161,9 +175,15 @@ def test_bad_head_dim_rope():
 
 def test_rules_accept_enums_and_strings_alike():
     a = Profile(name="x", **HF_RULES)
-    b = Profile(name="x", rms_norm=RMSNormRule.ROUND_BEFORE_WEIGHT, qk_norm=QKNormRule.ROUND_BEFORE_WEIGHT,
-                residual=ResidualRule.NORMALIZE_ROUNDED_SUM, rope=RopeRule(CosSinDtype.BF16, RopeRounding.PER_OP),
-                swiglu=SwiGLURule.ROUND_SILU, expert_swiglu=SwiGLURule.ROUND_SILU)
+    b = Profile(
+        name="x",
+        rms_norm=RMSNormRule.ROUND_BEFORE_WEIGHT,
+        qk_norm=QKNormRule.ROUND_BEFORE_WEIGHT,
+        residual=ResidualRule.NORMALIZE_ROUNDED_SUM,
+        rope=RopeRule(CosSinDtype.BF16, RopeRounding.PER_OP),
+        swiglu=SwiGLURule.ROUND_SILU,
+        expert_swiglu=SwiGLURule.ROUND_SILU,
+    )
     assert a == b
     assert a.rms_norm is RMSNormRule.ROUND_BEFORE_WEIGHT and str(a.rms_norm) == BEFORE
     assert a.rope == RopeRule.parse("bf16/per_op") and str(a.rope) == "bf16/per_op"

@@ -292,8 +292,14 @@ def test_same_keys_every_mode_and_padding_never_matters(mode):
 
 @pytest.mark.parametrize(
     "mode,low,high",
-    [("none", None, None), ("token-tis", None, 2.0), ("seq-tis", None, 2.0), ("token-mask", 0.5, 2.0),
-     ("seq-mask", 0.5, 2.0), ("geo-mask", 0.999, 1.001)],
+    [
+        ("none", None, None),
+        ("token-tis", None, 2.0),
+        ("seq-tis", None, 2.0),
+        ("token-mask", 0.5, 2.0),
+        ("seq-mask", 0.5, 2.0),
+        ("geo-mask", 0.999, 1.001),
+    ],
 )
 def test_default_thresholds(mode, low, high):
     c = ISCorrection.parse(mode)

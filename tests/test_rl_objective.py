@@ -149,8 +149,14 @@ def test_loss_gradient_and_stats_against_the_formula(case):
     loss_type = case["loss_type"]
     logp, old, adv, mask, w = make_batch()
     out = policy_loss(
-        logp, old, adv, mask, loss_type=loss_type, clip_eps_high=case.get("clip_eps_high"),
-        is_weights=w if case.get("weights") else None, normalizer=case.get("normalizer"),
+        logp,
+        old,
+        adv,
+        mask,
+        loss_type=loss_type,
+        clip_eps_high=case.get("clip_eps_high"),
+        is_weights=w if case.get("weights") else None,
+        normalizer=case.get("normalizer"),
     )
     assert isinstance(out, PolicyLoss) and out.loss.dim() == 0 and out.loss.dtype == torch.float32
     ref, ref_grads, clipped, abs_sum = reference(
@@ -230,8 +236,15 @@ def test_micro_batches_with_the_batch_normalizer_sum_to_the_batch(loss_type):
     logp.grad = None
     total = 0.0
     for i in range(len(ADV)):
-        part = policy_loss(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], loss_type=loss_type,
-                           is_weights=w[i : i + 1], normalizer=n)
+        part = policy_loss(
+            logp[i : i + 1],
+            old[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            loss_type=loss_type,
+            is_weights=w[i : i + 1],
+            normalizer=n,
+        )
         part.loss.backward()
         total += float(part.loss.detach())
     assert torch.equal(logp.grad, g_full)  # each token's gradient is the same op sequence either way

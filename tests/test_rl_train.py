@@ -40,17 +40,36 @@ def _one_thread():
 
 
 def test_smoke_run_writes_every_metric(tmp_path):
-    out = train(TrainConfig(steps=5, sync="stochastic", rollout_is="token-tis", **SMALL).validate(), tmp_path / "run",
-                progress=False, tensorboard=True)
+    out = train(
+        TrainConfig(steps=5, sync="stochastic", rollout_is="token-tis", **SMALL).validate(),
+        tmp_path / "run",
+        progress=False,
+        tensorboard=True,
+    )
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert set(rows[0]) == {"step", "eval/accuracy", "timing_s/eval"}
     for r in rows[1:]:
-        for key in ("reward/mean", "reward/std", "accuracy/train", "response_length/mean", "actor/entropy",
-                    "actor/grad_norm", "rollout_corr/k3_kl", "mismatch/bitwise_equal_frac",
-                    "rollout_corr/rollout_is_mean", "rollout_corr/raw_is_std", "sync/visible_fraction",
-                    "sync/relative_drift", "sync/lag_steps", "timing_s/rollout", "timing_s/recompute",
-                    "timing_s/update", "timing_s/sync", "timing_s/step"):
+        for key in (
+            "reward/mean",
+            "reward/std",
+            "accuracy/train",
+            "response_length/mean",
+            "actor/entropy",
+            "actor/grad_norm",
+            "rollout_corr/k3_kl",
+            "mismatch/bitwise_equal_frac",
+            "rollout_corr/rollout_is_mean",
+            "rollout_corr/raw_is_std",
+            "sync/visible_fraction",
+            "sync/relative_drift",
+            "sync/lag_steps",
+            "timing_s/rollout",
+            "timing_s/recompute",
+            "timing_s/update",
+            "timing_s/sync",
+            "timing_s/step",
+        ):
             assert key in r, key
         assert 0 <= r["reward/mean"] <= 1
         # a step where every group got equal rewards trains nothing: all advantages are 0, so is the gradient
@@ -91,8 +110,7 @@ def test_master_moves_and_engine_serves_the_export(tmp_path):
 
 def test_resume_continues_bitwise(tmp_path):
     base = dict(sync="stochastic", rollout_is="seq-mask", save_every=2, **SMALL)
-    straight = train(TrainConfig(steps=4, **base).validate(), tmp_path / "straight", progress=False,
-                     tensorboard=False)
+    straight = train(TrainConfig(steps=4, **base).validate(), tmp_path / "straight", progress=False, tensorboard=False)
     part = train(TrainConfig(steps=2, **base).validate(), tmp_path / "part", progress=False, tensorboard=False)
     assert main(["train", "--resume", str(part), "--steps", "4", "--quiet", "--no-tensorboard"]) == 0
     a, b = _rows(straight), _rows(part)
@@ -132,9 +150,27 @@ def test_non_finite_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, mon
 
     monkeypatch.setattr(Policy, "zero_grad", zero_grad)
     out = tmp_path / "div"
-    argv = ["train", "--out", str(out), "--steps", "5", "--save-every", "2", "--quiet", "--no-tensorboard",
-            "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "48", "--eval-problems", "8",
-            "--lr", "1e-4"]
+    argv = [
+        "train",
+        "--out",
+        str(out),
+        "--steps",
+        "5",
+        "--save-every",
+        "2",
+        "--quiet",
+        "--no-tensorboard",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "48",
+        "--eval-problems",
+        "8",
+        "--lr",
+        "1e-4",
+    ]
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "step 3: the loss is non-finite" in err and "step-000002" in err
@@ -150,8 +186,11 @@ def test_non_finite_gradient_names_the_tensor(tmp_path, monkeypatch):
         self.master["model.layers.1.mlp.up_proj.weight"].grad[0, 0] = float("inf")
 
     monkeypatch.setattr(Policy, "backward", backward)
-    with pytest.raises(TrainingDiverged, match=r"step 1: the gradient of model\.layers\.1\.mlp\.up_proj\.weight has "
-                       r"non-finite values .*no checkpoint was saved"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"step 1: the gradient of model\.layers\.1\.mlp\.up_proj\.weight has "
+        r"non-finite values .*no checkpoint was saved",
+    ):
         train(TrainConfig(steps=2, **SMALL).validate(), tmp_path / "g", progress=False, tensorboard=False)
 
 
@@ -181,9 +220,31 @@ def test_invalid_combinations_are_rejected_before_any_work(tmp_path, capsys, arg
 def test_compare_runs_two_real_train_runs_and_plots_them(tmp_path):
     """``roundalign compare`` end to end with real ``roundalign train`` processes (no fake command)."""
     out = tmp_path / "grid"
-    argv = ["compare", "--grid", "sync=rne,stochastic", "--out", str(out), "--jobs", "2", "--",
-            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "48",
-            "--eval-problems", "8", "--eval-every", "1", "--lr", "1e-4", "--no-tensorboard"]
+    argv = [
+        "compare",
+        "--grid",
+        "sync=rne,stochastic",
+        "--out",
+        str(out),
+        "--jobs",
+        "2",
+        "--",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "48",
+        "--eval-problems",
+        "8",
+        "--eval-every",
+        "1",
+        "--lr",
+        "1e-4",
+        "--no-tensorboard",
+    ]
     assert main(argv) == 0
     for cell in ("sync-rne", "sync-stochastic"):
         assert [r["step"] for r in _rows(out / cell)] == [0, 1, 2]
@@ -199,8 +260,15 @@ def test_prefill_check_is_exactly_zero_for_the_aligned_trainer_and_not_for_hf(tm
     temperature != 1 too; the stock HF trainer does not. Independent of the decode-vs-prefill attention gap."""
     rows = {}
     for profile in ("aligned", "hf"):
-        config = TrainConfig(steps=2, engine_profile="sglang", trainer_profile=profile, sync="stochastic",
-                             temperature=0.9, prefill_check=True, **SMALL).validate()
+        config = TrainConfig(
+            steps=2,
+            engine_profile="sglang",
+            trainer_profile=profile,
+            sync="stochastic",
+            temperature=0.9,
+            prefill_check=True,
+            **SMALL,
+        ).validate()
         rows[profile] = _rows(train(config, tmp_path / profile, progress=False, tensorboard=False))[1:]
     for r in rows["aligned"]:
         assert r["prefill/k3_kl"] == 0.0 and r["prefill/bitwise_equal_frac"] == 1.0
@@ -211,8 +279,11 @@ def test_prefill_check_is_exactly_zero_for_the_aligned_trainer_and_not_for_hf(tm
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(dtype="float16", sync="stochastic"), dict(loss_type="reinforce", optimizer="sgd", lr=1e-2),
-     dict(inner_epochs=2, clip_eps=0.1, rollout_is="geo-mask", rollout_is_threshold="0.9_1.1")],
+    [
+        dict(dtype="float16", sync="stochastic"),
+        dict(loss_type="reinforce", optimizer="sgd", lr=1e-2),
+        dict(inner_epochs=2, clip_eps=0.1, rollout_is="geo-mask", rollout_is_threshold="0.9_1.1"),
+    ],
     ids=["float16", "reinforce-sgd", "ppo-2-epochs-geo-mask"],
 )
 def test_other_numerics_and_objectives_train(tmp_path, settings):
@@ -235,8 +306,22 @@ def test_other_numerics_and_objectives_train(tmp_path, settings):
 
 def test_cli_prints_a_summary_of_the_run(tmp_path, capsys):
     out = tmp_path / "cli"
-    argv = ["train", "--out", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-            "--max-tokens", "48", "--eval-problems", "8", "--no-tensorboard"]
+    argv = [
+        "train",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "48",
+        "--eval-problems",
+        "8",
+        "--no-tensorboard",
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     rows = _rows(out)

@@ -232,8 +232,11 @@ def _others(out, mode, best: set) -> float:
 def test_piecewise_follows_fused_qk_norm_and_residual_rounded_at_attention(qwen3):
     """Piecewise (vLLM's default): residual rounded only where it crosses attention, q/k norm fused into RoPE.
     Measured 86.9% of logits bitwise equal (9 of 16 prompts entirely); every other reference <= 23.8%."""
-    best = {"formula residual=at_attention, qk_norm=fused_into_rope", apply_name("at_attention", "fused_into_rope"),
-            "apply vllm (as shipped)"}
+    best = {
+        "formula residual=at_attention, qk_norm=fused_into_rope",
+        apply_name("at_attention", "fused_into_rope"),
+        "apply vllm (as shipped)",
+    }
     for ref in best:
         assert _frac(qwen3, "piecewise", ref) >= 0.6
         assert _frac(qwen3, "piecewise", ref) >= _frac(qwen3, "piecewise", "stock HF") + 0.5

@@ -27,11 +27,13 @@ def main() -> None:
     out = Path(parser.parse_args().out)
     torch.set_num_threads(1)
     model, tokenizer = trl_setup.policy(fp32=True)
-    trainer = trl_setup.trainer(model, tokenizer, str(out / "trainer"), steps=2, generations=4,
-                                per_device_train_batch_size=4)
+    trainer = trl_setup.trainer(
+        model, tokenizer, str(out / "trainer"), steps=2, generations=4, per_device_train_batch_size=4
+    )
     patch_policy(trainer, "vllm")  # after construction: patches the unwrapped policy
-    rollout = EngineRolloutFunc(engine_profile="vllm", sync="rne", attribution_every=1,
-                            prefill_check=True).attach(trainer)
+    rollout = EngineRolloutFunc(engine_profile="vllm", sync="rne", attribution_every=1, prefill_check=True).attach(
+        trainer
+    )
     trainer.train()
 
     policy = unwrap_policy(trainer)

@@ -29,8 +29,9 @@ def dataset(n: int = 16, seed: int = 0):
     from roundalign.tasks import format_prompt, make_problems
 
     problems = make_problems(n, level=3, seed=seed)
-    return datasets.Dataset.from_dict({"prompt": [format_prompt(p) for p in problems],
-                                       "answer": [p.answer for p in problems]})
+    return datasets.Dataset.from_dict(
+        {"prompt": [format_prompt(p) for p in problems], "answer": [p.answer for p in problems]}
+    )
 
 
 def policy(fp32: bool = True):
@@ -46,20 +47,39 @@ def policy(fp32: bool = True):
     return model, tokenizer
 
 
-def trainer(model, tokenizer, out: str, *, fp32: bool = True, steps: int = 3, generations: int = 8,
-            rollout_func=None, **config):
+def trainer(
+    model, tokenizer, out: str, *, fp32: bool = True, steps: int = 3, generations: int = 8, rollout_func=None, **config
+):
     """A GRPOTrainer; ``config`` overrides GRPOConfig fields."""
     from trl import GRPOConfig, GRPOTrainer
 
-    kw = dict(output_dir=out, use_cpu=True, report_to="none", bf16=fp32, per_device_train_batch_size=generations,
-              num_generations=generations, max_completion_length=40, max_steps=steps, logging_steps=1,
-              learning_rate=1e-4, save_strategy="no", seed=0, disable_tqdm=True)
+    kw = dict(
+        output_dir=out,
+        use_cpu=True,
+        report_to="none",
+        bf16=fp32,
+        per_device_train_batch_size=generations,
+        num_generations=generations,
+        max_completion_length=40,
+        max_steps=steps,
+        logging_steps=1,
+        learning_rate=1e-4,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     kw.update(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = GRPOConfig(**kw)
-        return GRPOTrainer(model=model, args=args, reward_funcs=reward_exact, train_dataset=dataset(),
-                           processing_class=tokenizer, rollout_func=rollout_func)
+        return GRPOTrainer(
+            model=model,
+            args=args,
+            reward_funcs=reward_exact,
+            train_dataset=dataset(),
+            processing_class=tokenizer,
+            rollout_func=rollout_func,
+        )
 
 
 def step_logs(trainer) -> list[dict]:

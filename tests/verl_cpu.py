@@ -46,25 +46,62 @@ def use_cpu_platform() -> None:
         vendor_name = "cpu"
         device_module = torch.cpu
 
-        def is_available(self): return True
-        def current_device(self): return "cpu"
-        def device_count(self): return 1
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, device_index=0): return (None, None)
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        def nvtx_range(self, msg): return contextlib.nullcontext()
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, device_index=0):
+            return (None, None)
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg):
+            return contextlib.nullcontext()
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
 
 
 def hide_trl_from_verl() -> None:
@@ -79,8 +116,13 @@ def build_engine(lr: float = 1e-6, strategy: str = "fsdp2"):
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-    model_config = HFModelConfig(path=str(MODEL), use_remove_padding=False, enable_gradient_checkpointing=False,
-                                 load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    model_config = HFModelConfig(
+        path=str(MODEL),
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+        load_tokenizer=False,
+        override_config={"attn_implementation": "sdpa"},
+    )
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False)
     optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0)
     engine = FSDPEngine(model_config, engine_config, optimizer_config, CheckpointConfig())

@@ -33,9 +33,14 @@ def reference_export(full: dict, mode: str | None, seed: int, version: int, ef_s
             out[name] = m.to(torch.bfloat16)  # verl's cast
         elif mode == "stochastic":
             flat = m.reshape(-1)
-            blocks = [export_bf16(flat[b * BLOCK:(b + 1) * BLOCK], "stochastic",
-                                  ExportState.seeded(tensor_seed(seed, f"{name}@v{version}#{b}")))
-                      for b in range((flat.numel() + BLOCK - 1) // BLOCK)]
+            blocks = [
+                export_bf16(
+                    flat[b * BLOCK : (b + 1) * BLOCK],
+                    "stochastic",
+                    ExportState.seeded(tensor_seed(seed, f"{name}@v{version}#{b}")),
+                )
+                for b in range((flat.numel() + BLOCK - 1) // BLOCK)
+            ]
             out[name] = torch.cat(blocks).reshape(m.shape)
         else:
             out[name] = export_bf16(m, "error-feedback", ef_states.setdefault(name, ExportState()))
@@ -69,7 +74,7 @@ def _check_exports(engine, reference: dict) -> list[str]:
     gen, _ = engine.get_per_tensor_param_shard()
     for name, local, spec in gen:
         start = flat_offset(params[name])
-        want = reference[name].reshape(-1)[start:start + local.numel()]
+        want = reference[name].reshape(-1)[start : start + local.numel()]
         if tuple(spec.full_shape) != tuple(reference[name].shape) or not _bits_equal(local, want):
             bad.append(f"shard:{name}")
     return bad
@@ -100,10 +105,18 @@ def actor_run(rank: int, world_size: int, steps: int, lr: float, seed: int) -> l
             with torch.autocast("cpu", dtype=torch.bfloat16):  # as verl's forward_step runs the actor
                 logits_autocast = model(input_ids=ids).logits
         layers = model.model.layers
-        result = {"profile": profile, "sync": sync, "logits": logits, "logits_autocast": logits_autocast,
-                  "layer_class": type(layers[0]).__name__, "no_split": list(getattr(model, "_no_split_modules", [])),
-                  "report": getattr(model, "_roundalign_verl_report", None), "mismatches": [], "changed": [],
-                  "total": 0}
+        result = {
+            "profile": profile,
+            "sync": sync,
+            "logits": logits,
+            "logits_autocast": logits_autocast,
+            "layer_class": type(layers[0]).__name__,
+            "no_split": list(getattr(model, "_no_split_modules", [])),
+            "report": getattr(model, "_roundalign_verl_report", None),
+            "mismatches": [],
+            "changed": [],
+            "total": 0,
+        }
         mode = None if sync in (None, "rne") else sync
         ef_states: dict = {}
         reference = reference_export(full_masters(engine), mode, seed, 0, ef_states)
@@ -115,8 +128,11 @@ def actor_run(rank: int, world_size: int, steps: int, lr: float, seed: int) -> l
             previous, reference = reference, reference_export(full_masters(engine), mode, seed, version, ef_states)
             entries, _ = engine.get_per_tensor_param_delta_shard()  # verl's hf_delta_export on this rank's shard
             local_changed = sum(int(counts.sum()) for _slots, _dt, counts, _idx, _val, _pg in entries)
-            changed = sum(int((reference[n].view(torch.int16) != previous[n].view(torch.int16)).sum())
-                          for n in reference if reference[n].is_floating_point())
+            changed = sum(
+                int((reference[n].view(torch.int16) != previous[n].view(torch.int16)).sum())
+                for n in reference
+                if reference[n].is_floating_point()
+            )
             result["changed"].append((local_changed, changed))
             result["mismatches"] += [f"v{version}:{m}" for m in _check_exports(engine, reference)]
         result["total"] = sum(t.numel() for t in reference.values() if t.is_floating_point())

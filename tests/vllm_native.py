@@ -90,8 +90,9 @@ class VllmQwen3(NativeModel):
                 mlp.register_buffer("_gate_up", torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), persistent=False)
 
     def attention(self, layer, q, k, v):
-        return torch.ops.vllm_native.attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim,
-                                               self.head_dim**-0.5)
+        return torch.ops.vllm_native.attention(
+            q, k, v, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
 
     def qkv(self, attn, h):
         if not self.merged:

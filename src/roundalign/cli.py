@@ -42,16 +42,31 @@ COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
         Command("profiles", "list the built-in rounding profiles, or show one", "roundalign.profiles_cli"),
-        Command("probe", "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer "
-                "by layer", "roundalign.probe.cli"),
-        Command("train", "a GRPO run on the reference engine: trainer profile, IS correction, Fair Cast weight "
-                "export", "roundalign.rl.cli"),
-        Command("compare", "run a grid of train runs (e.g. --grid trainer=hf,aligned sync=rne,stochastic seed=0,1) "
-                "and plot them", "roundalign.rl.compare"),
-        Command("fit", "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile "
-                "file)", "roundalign.fit.cli"),
-        Command("fingerprint", "op-level test battery: make its inputs, run them on the engine's machine, read the "
-                "rules", "roundalign.fingerprint.cli"),
+        Command(
+            "probe",
+            "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer by layer",
+            "roundalign.probe.cli",
+        ),
+        Command(
+            "train",
+            "a GRPO run on the reference engine: trainer profile, IS correction, Fair Cast weight export",
+            "roundalign.rl.cli",
+        ),
+        Command(
+            "compare",
+            "run a grid of train runs (e.g. --grid trainer=hf,aligned sync=rne,stochastic seed=0,1) and plot them",
+            "roundalign.rl.compare",
+        ),
+        Command(
+            "fit",
+            "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile file)",
+            "roundalign.fit.cli",
+        ),
+        Command(
+            "fingerprint",
+            "op-level test battery: make its inputs, run them on the engine's machine, read the rules",
+            "roundalign.fingerprint.cli",
+        ),
     )
 }
 

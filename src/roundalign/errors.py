@@ -54,8 +54,9 @@ class MissingDependency(UserError):
     status = ExitStatus.MISSING_DEPENDENCY
 
     def __init__(self, package: str, extra: str, purpose: str):
-        super().__init__(f"{purpose} needs {package}, which is in the [{extra}] extra: "
-                         f"pip install 'roundalign[{extra}]'")
+        super().__init__(
+            f"{purpose} needs {package}, which is in the [{extra}] extra: pip install 'roundalign[{extra}]'"
+        )
 
 
 def flag(field: str) -> str:

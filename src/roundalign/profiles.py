@@ -201,6 +201,7 @@ class Profile:
     def is_stock_hf(self) -> bool:
         """True when this profile's rules are stock HF's: ``apply`` then leaves every module as it is."""
         return self.same_rules(PROFILES["hf"])
+
     def rope_for(self, head_dim: int) -> RopeRule:
         """The RoPE rule a model with this head_dim gets."""
         return self.rope.for_head_dim(head_dim) if isinstance(self.rope, HeadDimRope) else self.rope
@@ -390,8 +391,10 @@ def get_profile(name: str | Path | Profile) -> Profile:
         return name
     if isinstance(name, Path) or (isinstance(name, str) and name.endswith(".json")):
         if not Path(name).is_file():
-            raise UserError(f"profile file {str(name)!r} does not exist (a built-in name, or a .json file written "
-                             "by Profile.save or roundalign fit)")
+            raise UserError(
+                f"profile file {str(name)!r} does not exist (a built-in name, or a .json file written "
+                "by Profile.save or roundalign fit)"
+            )
         try:
             return Profile.load(name)
         except (ValueError, TypeError) as exc:

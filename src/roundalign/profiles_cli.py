@@ -40,8 +40,9 @@ class ProfilesConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())}), "
-                        "or a profile .json file")
+    parser.add_argument(
+        "name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())}), or a profile .json file"
+    )
     parser.add_argument("--sources", action="store_true", help="add the column saying where each profile was read")
     parser.add_argument("--json", action="store_true", help="print JSON (Profile.to_dict) instead of a table")
 
@@ -82,8 +83,9 @@ def _profile_table(p: Profile, sources: bool):
     from rich.table import Table
 
     caption = f"source: {p.source}" if sources else None
-    table = Table(title=f"[bold cyan]{p.name}[/]: {p.engines}", caption=caption, title_justify="left",
-                  caption_justify="left")
+    table = Table(
+        title=f"[bold cyan]{p.name}[/]: {p.engines}", caption=caption, title_justify="left", caption_justify="left"
+    )
     table.add_column("region", no_wrap=True)
     table.add_column("formula", no_wrap=True)
     for region, formula in p.describe().items():
@@ -115,8 +117,12 @@ def detail(p: Profile):
     for region, text in p.describe().items():
         rule = getattr(p, region)
         table.add_row(region, str(rule), _display(text), "yes" if rule != getattr(hf, region) else "no")
-    table.add_row("rope angles", str(p.rope_angles), "inv_freq " + ("from the config, fp32" if str(p.rope_angles) ==
-                  "fp32" else "the rotary module's buffer"), "yes" if p.rope_angles != hf.rope_angles else "no")
+    table.add_row(
+        "rope angles",
+        str(p.rope_angles),
+        "inv_freq " + ("from the config, fp32" if str(p.rope_angles) == "fp32" else "the rotary module's buffer"),
+        "yes" if p.rope_angles != hf.rope_angles else "no",
+    )
     return table
 
 

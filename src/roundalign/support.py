@@ -19,10 +19,14 @@ ENGINE_FAMILIES = ("qwen3", "qwen2", "llama")
 SWIGLU_ACTIVATIONS = ("silu", "swish")  # the same function; SwiGLU's rules are written for it
 ROPE_TYPES = ("default", "llama3", "yarn")  # what released Qwen2/Qwen3/Llama checkpoints use
 
-_NO_WAY_ROUND = ("roundalign cannot patch this model's trainer, so probe, fit and train cannot run on it, with or "
-                 "without --engine-logprobs")
-_FROM_A_DUMP = ("The trainer side supports it: sample with vLLM or SGLang and compare their log-probs with "
-                "`roundalign probe --model PATH --engine-logprobs dump.jsonl` (docs/real-engines.md)")
+_NO_WAY_ROUND = (
+    "roundalign cannot patch this model's trainer, so probe, fit and train cannot run on it, with or "
+    "without --engine-logprobs"
+)
+_FROM_A_DUMP = (
+    "The trainer side supports it: sample with vLLM or SGLang and compare their log-probs with "
+    "`roundalign probe --model PATH --engine-logprobs dump.jsonl` (docs/real-engines.md)"
+)
 
 
 def head_dim(config) -> int:
@@ -40,25 +44,32 @@ def check_trainer_model(config) -> None:
     change with the sequence length."""
     model_type = getattr(config, "model_type", None)
     if model_type not in TRAINER_FAMILIES:
-        raise UnsupportedModel(f"model_type {model_type!r} is not supported; roundalign supports "
-                               f"{', '.join(TRAINER_FAMILIES)} (Qwen2 covers Qwen2.5). {_NO_WAY_ROUND}")
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported; roundalign supports "
+            f"{', '.join(TRAINER_FAMILIES)} (Qwen2 covers Qwen2.5). {_NO_WAY_ROUND}"
+        )
     act = getattr(config, "hidden_act", "silu")
     if act not in SWIGLU_ACTIVATIONS:
-        raise UnsupportedModel(f"hidden_act {act!r} is not supported; roundalign's SwiGLU rules need "
-                               f"hidden_act='silu'. {_NO_WAY_ROUND}")
+        raise UnsupportedModel(
+            f"hidden_act {act!r} is not supported; roundalign's SwiGLU rules need hidden_act='silu'. {_NO_WAY_ROUND}"
+        )
     kind = rope_type(config)
     if kind not in ROPE_TYPES:
-        raise UnsupportedModel(f"rope_type {kind!r} is not supported; roundalign computes engine RoPE angles for "
-                               f"{', '.join(ROPE_TYPES)} (dynamic and longrope scaling change the angles with the "
-                               f"sequence length). {_NO_WAY_ROUND}")
+        raise UnsupportedModel(
+            f"rope_type {kind!r} is not supported; roundalign computes engine RoPE angles for "
+            f"{', '.join(ROPE_TYPES)} (dynamic and longrope scaling change the angles with the "
+            f"sequence length). {_NO_WAY_ROUND}"
+        )
 
 
 def check_engine_model(config) -> None:
     """Refuse what the reference engine does not implement, after what the trainer side refuses."""
     check_trainer_model(config)
     if config.model_type not in ENGINE_FAMILIES:
-        raise UnsupportedModel(f"the reference engine serves the dense families {', '.join(ENGINE_FAMILIES)}; got "
-                               f"model_type {config.model_type!r}. {_FROM_A_DUMP}")
+        raise UnsupportedModel(
+            f"the reference engine serves the dense families {', '.join(ENGINE_FAMILIES)}; got "
+            f"model_type {config.model_type!r}. {_FROM_A_DUMP}"
+        )
     sliding = getattr(config, "use_sliding_window", False) or any(
         t != "full_attention" for t in (getattr(config, "layer_types", None) or ())
     )

@@ -80,8 +80,9 @@ class TrainerSide:
 
     def __init__(self, model):
         if roundalign.patched_profile(model) is not None:
-            raise ValueError("the trainer model is patched once per profile here; pass an unpatched model "
-                             "(roundalign.revert(model))")
+            raise ValueError(
+                "the trainer model is patched once per profile here; pass an unpatched model (roundalign.revert(model))"
+            )
         self.model = model.eval().requires_grad_(False)
         self._fp32 = None
 

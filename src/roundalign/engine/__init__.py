@@ -21,5 +21,4 @@ from roundalign.engine.engine import BACKENDS, Engine, backends_for, check_backe
 from roundalign.engine.loader import ROUNDINGS, SUPPORTED_FAMILIES
 from roundalign.engine.sampling import SamplingParams
 
-__all__ = ["BACKENDS", "ROUNDINGS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams", "backends_for",
-           "check_backend"]
+__all__ = ["BACKENDS", "ROUNDINGS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams", "backends_for", "check_backend"]

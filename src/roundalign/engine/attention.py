@@ -59,8 +59,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     qh = q.reshape(1, n, h, d).transpose(1, 2)
     kh = k.reshape(1, n, kvh, d).transpose(1, 2)
     vh = v.reshape(1, n, kvh, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=0.0, scale=spec.scale, is_causal=True,
-                                         enable_gqa=h != kvh)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, dropout_p=0.0, scale=spec.scale, is_causal=True, enable_gqa=h != kvh
+    )
     return out.transpose(1, 2).contiguous().reshape(n, h * d)
 
 
@@ -75,8 +76,9 @@ class KVCache:
     are small).
     """
 
-    def __init__(self, num_layers: int, capacities: list[int], spec: AttentionSpec,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self, num_layers: int, capacities: list[int], spec: AttentionSpec, dtype: torch.dtype = torch.bfloat16
+    ):
         kvh, d = spec.num_kv_heads, spec.head_dim
         self.k = [[torch.zeros(kvh, cap, d) for _ in range(num_layers)] for cap in capacities]
         self.v = [[torch.zeros(kvh, cap, d) for _ in range(num_layers)] for cap in capacities]
@@ -91,8 +93,9 @@ class KVCache:
     def rows(self, layer: int, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` positions of a sequence in the model dtype, ``(length, kv_heads * head_dim)``
         (exact)."""
-        return tuple(c[seq][layer][:, :length].transpose(0, 1).reshape(length, -1).to(self.dtype)
-                     for c in (self.k, self.v))
+        return tuple(
+            c[seq][layer][:, :length].transpose(0, 1).reshape(length, -1).to(self.dtype) for c in (self.k, self.v)
+        )
 
 
 class PrefillShapes:

@@ -52,6 +52,8 @@ def check_backend(backend: str, profile) -> None:
             f"the {backend} backend runs vLLM's compiled code, which rounds where the {INDUCTOR_PROFILE!r} profile "
             f"says; it cannot serve profile {profile.name!r}, whose rules differ. Use the kernels backend for it"
         )
+
+
 _PIECEWISE = []
 
 
@@ -84,8 +86,15 @@ class Engine:
     rounding point, the KV cache's values and a c16 cos/sin cache are in it.
     """
 
-    def __init__(self, model_or_path, profile="vllm", backend: str = "kernels", *, tokenizer=None,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        model_or_path,
+        profile="vllm",
+        backend: str = "kernels",
+        *,
+        tokenizer=None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         self.profile = get_profile(profile)
         check_backend(backend, self.profile)
         self.backend = backend
@@ -93,8 +102,9 @@ class Engine:
         self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer, dtype)
         self.max_model_len = int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)
-        self._spec = AttentionSpec(self.config.num_attention_heads, self.config.num_key_value_heads,
-                                   head_dim(self.config))
+        self._spec = AttentionSpec(
+            self.config.num_attention_heads, self.config.num_key_value_heads, head_dim(self.config)
+        )
         self.compile_stats = {"graphs": 0, "pieces": 0, "seconds": 0.0}  # what this engine's calls compiled
         if backend == "kernels":
             self._model = KernelsModel(self.weights, self.config, self.profile, dtype)
@@ -106,8 +116,10 @@ class Engine:
 
     def __repr__(self) -> str:
         dtype = "" if self.dtype == torch.bfloat16 else f", dtype={self.dtype}"
-        return (f"Engine({self.config.model_type}, profile={self.profile.name!r}, backend={self.backend!r}, "
-                f"layers={self.config.num_hidden_layers}{dtype})")
+        return (
+            f"Engine({self.config.model_type}, profile={self.profile.name!r}, backend={self.backend!r}, "
+            f"layers={self.config.num_hidden_layers}{dtype})"
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # forward
@@ -143,8 +155,12 @@ class Engine:
     def _rollout(self, prompts: list[list[int]], budgets: list[int], choose: Callable, shapes=None) -> None:
         """One batched prefill, then decode steps. ``choose(active, logits)`` gets the fp32 logits of the active
         sequences' next tokens and returns (next token, finished) per active sequence."""
-        cache = KVCache(self.config.num_hidden_layers, [len(p) + b for p, b in zip(prompts, budgets, strict=True)],
-                        self._spec, self.dtype)
+        cache = KVCache(
+            self.config.num_hidden_layers,
+            [len(p) + b for p, b in zip(prompts, budgets, strict=True)],
+            self._spec,
+            self.dtype,
+        )
         lengths = [len(p) for p in prompts]
         step = Step.prefill(lengths, cache, self._spec, shapes)
         with torch.no_grad():
@@ -197,13 +213,19 @@ class Engine:
 
         self._rollout(ids, budgets, choose)
         return [
-            Rollout(list(p), toks, lps, "stop" if done else "length",
-                    None if self.tokenizer is None else self.tokenizer.decode(toks, skip_special_tokens=True))
+            Rollout(
+                list(p),
+                toks,
+                lps,
+                "stop" if done else "length",
+                None if self.tokenizer is None else self.tokenizer.decode(toks, skip_special_tokens=True),
+            )
             for p, toks, lps, done in zip(ids, tokens_of, logprobs_of, stopped, strict=True)
         ]
 
-    def score(self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=(),
-              temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(
+        self, prompt_ids, completion_ids, mode: str = "prefill", prefill_shaped=(), temperature: float = 1.0
+    ) -> list[torch.Tensor]:
         """Raw (full-vocabulary) fp32 log-probs of each completion token, one 1-D tensor each, at ``temperature``
         (``log_softmax(logits.float() / temperature)``, as a trainer computes them; 1.0 divides by nothing).
 
@@ -222,15 +244,18 @@ class Engine:
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             self._check_ids(c, f"completion {i}", allow_empty=False)
             if len(p) + len(c) > self.max_model_len:
-                raise ValueError(f"prompt {i} + completion is {len(p) + len(c)} tokens, more than max_model_len "
-                                 f"{self.max_model_len}")
+                raise ValueError(
+                    f"prompt {i} + completion is {len(p) + len(c)} tokens, more than max_model_len {self.max_model_len}"
+                )
         shaped = self._check_shaped(prefill_shaped, mode)
         t = temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
         if mode == "prefill":
-            return [self._prefill_logprobs(p + c, temperature=t)[len(p) - 1 : -1]
-                    .gather(1, torch.tensor(c)[:, None])[:, 0] for p, c in zip(prompts, completions, strict=True)]
+            return [
+                self._prefill_logprobs(p + c, temperature=t)[len(p) - 1 : -1].gather(1, torch.tensor(c)[:, None])[:, 0]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
         out: list[list[float]] = [[] for _ in prompts]
 
         def choose(active, logits):
@@ -288,8 +313,10 @@ class Engine:
             raise ValueError(f"{what} is empty; pass at least one token id")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{what} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size}); "
-                             "check the tokenizer matches the model")
+            raise ValueError(
+                f"{what} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size}); "
+                "check the tokenizer matches the model"
+            )
 
     def _prompt_ids(self, prompts) -> list[list[int]]:
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
@@ -298,14 +325,18 @@ class Engine:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise ValueError("string prompts need a tokenizer: load the engine from a directory with "
-                                     "tokenizer files, pass tokenizer=, or pass token ids")
+                    raise ValueError(
+                        "string prompts need a tokenizer: load the engine from a directory with "
+                        "tokenizer files, pass tokenizer=, or pass token ids"
+                    )
                 p = self.tokenizer.encode(p)  # special tokens as the tokenizer adds them, like vLLM
             p = self._token_list(p, f"prompt {i}")
             self._check_ids(p, f"prompt {i}", allow_empty=False)
             if len(p) > self.max_model_len - 1:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves room "
-                                 f"for at most {self.max_model_len - 1} (prompts are never truncated)")
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves room "
+                    f"for at most {self.max_model_len - 1} (prompts are never truncated)"
+                )
             out.append(p)
         return out
 
@@ -317,6 +348,8 @@ class Engine:
         if parts and mode != "decode":
             raise ValueError("prefill_shaped applies to mode='decode' only (a prefill already has those shapes)")
         if parts and self.backend != "kernels":
-            raise ValueError("prefill_shaped needs the kernels backend; the inductor backend's compiled graph cannot "
-                             "run a part with other shapes")
+            raise ValueError(
+                "prefill_shaped needs the kernels backend; the inductor backend's compiled graph cannot "
+                "run a part with other shapes"
+            )
         return frozenset(parts)

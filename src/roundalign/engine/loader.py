@@ -29,6 +29,8 @@ from roundalign.sync import Exporter
 
 SUPPORTED_FAMILIES = ENGINE_FAMILIES
 ROUNDINGS = EXPORT_MODES  # how load_weights rounds fp32 masters: roundalign.sync's export modes
+
+
 def check_config(config) -> None:
     """Refuse what the engine does not implement, before any weight is read (``roundalign.support``)."""
     check_engine_model(config)
@@ -109,8 +111,10 @@ class _Body(nn.Module):
 def check_dtype(dtype) -> torch.dtype:
     """The engine's served dtype: bf16 or fp16, anything else is a ValueError that names the choices."""
     if dtype not in LOW_PRECISION:
-        raise UserError(f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
-                         "(an fp16 engine, for an fp16 trainer)")
+        raise UserError(
+            f"unknown engine dtype {dtype!r}; choose torch.bfloat16 (the default) or torch.float16 "
+            "(an fp16 engine, for an fp16 trainer)"
+        )
     return dtype
 
 
@@ -131,8 +135,13 @@ class ServedWeights(nn.Module):
         family = config.model_type
         bias = bool(getattr(config, "attention_bias", False))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = _Body(config, dtype, qk_norm=family == "qwen3", qkv_bias=bias or family == "qwen2",
-                           o_bias=bias and family != "qwen2")
+        self.model = _Body(
+            config,
+            dtype,
+            qk_norm=family == "qwen3",
+            qkv_bias=bias or family == "qwen2",
+            o_bias=bias and family != "qwen2",
+        )
         self.lm_head = _Linear(config.vocab_size, config.hidden_size, False, dtype)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -165,8 +174,10 @@ class ServedWeights(nn.Module):
         optional = {"lm_head.weight"} if self.tied else set()
         missing = sorted(set(expected) - set(state_dict) - optional)
         if missing:
-            raise UserError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
-                             "load_weights replaces the whole served copy, pass every tensor")
+            raise UserError(
+                f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                "load_weights replaces the whole served copy, pass every tensor"
+            )
         for name, src in state_dict.items():
             dst = expected[name]
             if not isinstance(src, torch.Tensor) or not src.is_floating_point():
@@ -176,8 +187,10 @@ class ServedWeights(nn.Module):
         if self.tied and "lm_head.weight" in state_dict and "model.embed_tokens.weight" in state_dict:
             a, b = state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]
             if a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
-                raise UserError("tie_word_embeddings is set but 'lm_head.weight' differs from "
-                                 "'model.embed_tokens.weight'; pass one of them, or untie the config")
+                raise UserError(
+                    "tie_word_embeddings is set but 'lm_head.weight' differs from "
+                    "'model.embed_tokens.weight'; pass one of them, or untie the config"
+                )
         served = {}
         if rounding != "rne":
             exporter = self._exporters.get((rounding, seed))
@@ -223,8 +236,10 @@ def load(model_or_path, tokenizer=None, dtype: torch.dtype = torch.bfloat16):
     if isinstance(model_or_path, nn.Module):
         config = getattr(model_or_path, "config", None)
         if config is None or not hasattr(model_or_path, "lm_head"):
-            raise TypeError(f"Engine needs an HF *ForCausalLM (a config and an lm_head), got "
-                            f"{type(model_or_path).__name__}; pass the causal-LM model, not its base model")
+            raise TypeError(
+                f"Engine needs an HF *ForCausalLM (a config and an lm_head), got "
+                f"{type(model_or_path).__name__}; pass the causal-LM model, not its base model"
+            )
         check_config(config)
         weights = ServedWeights(config, dtype)
         # A copy: later changes to the HF model (a training step) do not reach the engine until load_weights.
@@ -232,8 +247,9 @@ def load(model_or_path, tokenizer=None, dtype: torch.dtype = torch.bfloat16):
         gen = getattr(model_or_path, "generation_config", None)
         return config, weights, tokenizer, _eos_ids(config, gen)
     if not isinstance(model_or_path, (str, Path)):
-        raise TypeError(f"Engine needs an HF *ForCausalLM or a model directory path, got "
-                        f"{type(model_or_path).__name__}")
+        raise TypeError(
+            f"Engine needs an HF *ForCausalLM or a model directory path, got {type(model_or_path).__name__}"
+        )
     path = Path(model_or_path)
     config = read_config(path)
     check_config(config)
@@ -252,16 +268,19 @@ def read_config(path: Path):
     import transformers
 
     if not path.is_dir():
-        raise MissingFile(f"model directory {str(path)!r} does not exist; pass a directory written by "
-                                "save_pretrained (config.json + *.safetensors)")
+        raise MissingFile(
+            f"model directory {str(path)!r} does not exist; pass a directory written by "
+            "save_pretrained (config.json + *.safetensors)"
+        )
     if not (path / "config.json").is_file():
         raise UserError(f"{str(path)!r} has no config.json; pass a directory written by save_pretrained")
     try:
         json.loads((path / "config.json").read_text())
         return transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as e:
-        raise UserError(f"cannot read {str(path / 'config.json')!r} ({e}); re-save the model with "
-                         "save_pretrained") from e
+        raise UserError(
+            f"cannot read {str(path / 'config.json')!r} ({e}); re-save the model with save_pretrained"
+        ) from e
 
 
 def _read_safetensors(path: Path) -> dict:
@@ -270,8 +289,10 @@ def _read_safetensors(path: Path) -> dict:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise UserError(f"no *.safetensors weights in {str(path)!r}; save the model with "
-                         "save_pretrained(..., safe_serialization=True), the default")
+        raise UserError(
+            f"no *.safetensors weights in {str(path)!r}; save the model with "
+            "save_pretrained(..., safe_serialization=True), the default"
+        )
     state = {}
     for f in files:
         try:
@@ -293,8 +314,10 @@ def read_tokenizer(path: Path):
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (ValueError, OSError, KeyError, TypeError) as e:
-        raise UserError(f"cannot load the tokenizer in {str(path)!r} ({e}); fix or remove its tokenizer files, "
-                         "or pass tokenizer= explicitly") from e
+        raise UserError(
+            f"cannot load the tokenizer in {str(path)!r} ({e}); fix or remove its tokenizer files, "
+            "or pass tokenizer= explicitly"
+        ) from e
 
 
 def _read_generation_config(path: Path):

@@ -70,8 +70,9 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int: 0 or -1 to keep every token, k > 0 for the k most likely; "
-                             f"got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an int: 0 or -1 to keep every token, k > 0 for the k most likely; got {self.top_k!r}"
+            )
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an int > 0, got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):

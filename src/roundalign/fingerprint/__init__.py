@@ -14,5 +14,15 @@ from roundalign.fingerprint.profile import build_profile
 from roundalign.fingerprint.reader import load_results, read_results
 from roundalign.fingerprint.runner import Adapter, NativeAdapter, collect, run_battery
 
-__all__ = ["Adapter", "NativeAdapter", "build_profile", "collect", "load_results", "make_battery", "model_constants",
-           "read_results", "run_battery", "save_battery"]
+__all__ = [
+    "Adapter",
+    "NativeAdapter",
+    "build_profile",
+    "collect",
+    "load_results",
+    "make_battery",
+    "model_constants",
+    "read_results",
+    "run_battery",
+    "save_battery",
+]

@@ -118,8 +118,15 @@ def _swiglu_near_ties(tokens: int, d: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat((picked[..., 0], picked[..., 1]), -1)
 
 
-def _rope_near_ties(tokens: int, heads: int, head_dim: int, positions, theta: float, g: torch.Generator,
-                    max_position: int = MAX_POSITION):
+def _rope_near_ties(
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    positions,
+    theta: float,
+    g: torch.Generator,
+    max_position: int = MAX_POSITION,
+):
     """q or k (tokens, heads * head_dim) whose rotated pairs (x1, x2) make the four RoPE rules disagree."""
     x = (2 * torch.randn(CANDIDATES, tokens, heads, head_dim, generator=g)).to(DTYPE)
     outs = [rope_rule_outputs(x[k], positions, head_dim, theta, max_position) for k in range(CANDIDATES)]
@@ -145,8 +152,10 @@ def _positions(tokens: int, g: torch.Generator, max_position: int = MAX_POSITION
 
 _SEP_NORM = "round_before_weight r(w*r(x*nu)) vs round_after_weight r(x*nu*w)"
 _SEP_ADD = "norm of the rounded sum R=r(a+h) vs of the fp32 sum S (x the norm rule); the residual output is r(S)"
-_SEP_CHAIN = ("two add+norm calls in one graph: residual carried rounded (normalize_*_sum) vs fp32 inside the "
-              "graph (round_at_attention / never_round)")
+_SEP_CHAIN = (
+    "two add+norm calls in one graph: residual carried rounded (normalize_*_sum) vs fp32 inside the "
+    "graph (round_at_attention / never_round)"
+)
 _SEP_SWIGLU = "round_silu r(r(silu(g))*u) vs once r(silu(g)*u)"
 _SEP_ROPE = "cos/sin bf16 vs fp32 x per_op r(r(x1*c)-r(x2*s)) vs once r(x1*c-x2*s)"
 _SEP_QK = "q/k norm round_before_weight vs round_after_weight vs fused_into_rope (norm unrounded into RoPE)"
@@ -158,50 +167,98 @@ def make_battery(seed: int = 0, model: dict | None = None) -> dict:
     cases: list[dict] = []
 
     def add(name, op, region, separates, params, inputs, is_model=False):
-        cases.append(dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs,
-                          model=is_model))
+        cases.append(
+            dict(name=name, op=op, region=region, separates=separates, params=params, inputs=inputs, model=is_model)
+        )
 
     tokens = 16  # rows; small hidden sizes get more, so that every case has at least 8192 elements
     for hidden in (128, 1024, 4096):
         g = _gen(seed, len(cases))
-        add(f"rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": EPS},
-            {"x": _rows(max(tokens, 8192 // hidden), hidden, g), "weight": _weight(hidden, g)})
+        add(
+            f"rms_norm/h{hidden}",
+            "rms_norm",
+            "rms_norm",
+            _SEP_NORM,
+            {"eps": EPS},
+            {"x": _rows(max(tokens, 8192 // hidden), hidden, g), "weight": _weight(hidden, g)},
+        )
     for hidden in (1024, 4096):
         g = _gen(seed, len(cases))
-        add(f"add_rms_norm/h{hidden}", "add_rms_norm", "residual", _SEP_ADD, {"eps": EPS},
-            {"x": _rows(tokens, hidden, g), "residual": _rows(tokens, hidden, g), "weight": _weight(hidden, g)})
+        add(
+            f"add_rms_norm/h{hidden}",
+            "add_rms_norm",
+            "residual",
+            _SEP_ADD,
+            {"eps": EPS},
+            {"x": _rows(tokens, hidden, g), "residual": _rows(tokens, hidden, g), "weight": _weight(hidden, g)},
+        )
     g = _gen(seed, len(cases))
-    add("add_rms_norm_chain/h1024", "add_rms_norm_chain", "residual", _SEP_CHAIN, {"eps": EPS},
-        {"x1": _rows(tokens, 1024, g), "residual": _rows(tokens, 1024, g), "x2": _rows(tokens, 1024, g),
-         "weight1": _weight(1024, g), "weight2": _weight(1024, g)})
+    add(
+        "add_rms_norm_chain/h1024",
+        "add_rms_norm_chain",
+        "residual",
+        _SEP_CHAIN,
+        {"eps": EPS},
+        {
+            "x1": _rows(tokens, 1024, g),
+            "residual": _rows(tokens, 1024, g),
+            "x2": _rows(tokens, 1024, g),
+            "weight1": _weight(1024, g),
+            "weight2": _weight(1024, g),
+        },
+    )
     for d in (512, 1536):
         g = _gen(seed, len(cases))
         add(f"silu_and_mul/d{d}", "silu_and_mul", "swiglu", _SEP_SWIGLU, {}, {"x": _swiglu_near_ties(tokens, d, g)})
     g = _gen(seed, len(cases))
-    add("expert_silu_and_mul/d768", "expert_silu_and_mul", "expert_swiglu", _SEP_SWIGLU, {},
-        {"x": _swiglu_near_ties(2 * tokens, 768, g)})  # tokens x top-k rows, as the fused MoE's intermediate
+    add(
+        "expert_silu_and_mul/d768",
+        "expert_silu_and_mul",
+        "expert_swiglu",
+        _SEP_SWIGLU,
+        {},
+        {"x": _swiglu_near_ties(2 * tokens, 768, g)},
+    )  # tokens x top-k rows, as the fused MoE's intermediate
 
     rope_tokens, q_heads, k_heads = 32, 4, 2
     for head_dim, theta in ((64, 1e4), (128, 1e6), (256, 1e6), (80, 1e4), (96, 1e6)):
         g = _gen(seed, len(cases))
         pos = _positions(rope_tokens, g)
         params = {"head_dim": head_dim, "theta": theta, "max_position": MAX_POSITION}
-        add(f"rope/hd{head_dim}", "rope", "rope", _SEP_ROPE, params,
-            {"positions": pos, "q": _rope_near_ties(rope_tokens, q_heads, head_dim, pos, theta, g),
-             "k": _rope_near_ties(rope_tokens, k_heads, head_dim, pos, theta, g)})
+        add(
+            f"rope/hd{head_dim}",
+            "rope",
+            "rope",
+            _SEP_ROPE,
+            params,
+            {
+                "positions": pos,
+                "q": _rope_near_ties(rope_tokens, q_heads, head_dim, pos, theta, g),
+                "k": _rope_near_ties(rope_tokens, k_heads, head_dim, pos, theta, g),
+            },
+        )
     for head_dim in (128, 80):
         g = _gen(seed, len(cases))
         pos = _positions(rope_tokens, g)
         params = {"head_dim": head_dim, "theta": 1e6, "max_position": MAX_POSITION, "eps": EPS}
-        add(f"qk_norm_rope/hd{head_dim}", "qk_norm_rope", "qk_norm", _SEP_QK, params,
-            {"positions": pos, "q": _rows(rope_tokens, q_heads * head_dim, g),
-             "k": _rows(rope_tokens, k_heads * head_dim, g),
-             "q_weight": _weight(head_dim, g), "k_weight": _weight(head_dim, g)})
+        add(
+            f"qk_norm_rope/hd{head_dim}",
+            "qk_norm_rope",
+            "qk_norm",
+            _SEP_QK,
+            params,
+            {
+                "positions": pos,
+                "q": _rows(rope_tokens, q_heads * head_dim, g),
+                "k": _rows(rope_tokens, k_heads * head_dim, g),
+                "q_weight": _weight(head_dim, g),
+                "k_weight": _weight(head_dim, g),
+            },
+        )
 
     if model is not None:
         _model_cases(add, lambda: _gen(seed, len(cases)), model)
-    battery = {"format": FORMAT, "version": VERSION, "dtype": "bfloat16", "seed": seed, "model": model,
-               "cases": cases}
+    battery = {"format": FORMAT, "version": VERSION, "dtype": "bfloat16", "seed": seed, "model": model, "cases": cases}
     battery["id"] = battery_id(battery)
     return battery
 
@@ -211,36 +268,98 @@ def _model_cases(add, gen, m: dict) -> None:
     hidden, eps, hd = m["hidden_size"], m["rms_norm_eps"], m["head_dim"]
     rows = max(16, 8192 // hidden)  # at least 8192 elements per norm case, as the generic ones
     g = gen()
-    add(f"model/rms_norm/h{hidden}", "rms_norm", "rms_norm", _SEP_NORM, {"eps": eps},
-        {"x": _rows(rows, hidden, g), "weight": _weight(hidden, g)}, True)
+    add(
+        f"model/rms_norm/h{hidden}",
+        "rms_norm",
+        "rms_norm",
+        _SEP_NORM,
+        {"eps": eps},
+        {"x": _rows(rows, hidden, g), "weight": _weight(hidden, g)},
+        True,
+    )
     g = gen()
-    add(f"model/add_rms_norm/h{hidden}", "add_rms_norm", "residual", _SEP_ADD, {"eps": eps},
-        {"x": _rows(rows, hidden, g), "residual": _rows(rows, hidden, g), "weight": _weight(hidden, g)}, True)
+    add(
+        f"model/add_rms_norm/h{hidden}",
+        "add_rms_norm",
+        "residual",
+        _SEP_ADD,
+        {"eps": eps},
+        {"x": _rows(rows, hidden, g), "residual": _rows(rows, hidden, g), "weight": _weight(hidden, g)},
+        True,
+    )
     g = gen()
-    add(f"model/add_rms_norm_chain/h{hidden}", "add_rms_norm_chain", "residual", _SEP_CHAIN, {"eps": eps},
-        {"x1": _rows(rows, hidden, g), "residual": _rows(rows, hidden, g), "x2": _rows(rows, hidden, g),
-         "weight1": _weight(hidden, g), "weight2": _weight(hidden, g)}, True)
+    add(
+        f"model/add_rms_norm_chain/h{hidden}",
+        "add_rms_norm_chain",
+        "residual",
+        _SEP_CHAIN,
+        {"eps": eps},
+        {
+            "x1": _rows(rows, hidden, g),
+            "residual": _rows(rows, hidden, g),
+            "x2": _rows(rows, hidden, g),
+            "weight1": _weight(hidden, g),
+            "weight2": _weight(hidden, g),
+        },
+        True,
+    )
     if m.get("intermediate_size"):
         d, g = m["intermediate_size"], gen()
-        add(f"model/silu_and_mul/d{d}", "silu_and_mul", "swiglu", _SEP_SWIGLU, {},
-            {"x": _swiglu_near_ties(16, d, g)}, True)
+        add(
+            f"model/silu_and_mul/d{d}",
+            "silu_and_mul",
+            "swiglu",
+            _SEP_SWIGLU,
+            {},
+            {"x": _swiglu_near_ties(16, d, g)},
+            True,
+        )
     if m.get("moe_intermediate_size"):
         d, g = m["moe_intermediate_size"], gen()
-        add(f"model/expert_silu_and_mul/d{d}", "expert_silu_and_mul", "expert_swiglu", _SEP_SWIGLU, {},
-            {"x": _swiglu_near_ties(32, d, g)}, True)
+        add(
+            f"model/expert_silu_and_mul/d{d}",
+            "expert_silu_and_mul",
+            "expert_swiglu",
+            _SEP_SWIGLU,
+            {},
+            {"x": _swiglu_near_ties(32, d, g)},
+            True,
+        )
     rope_tokens, max_position = 32, m["max_position_embeddings"]
     params = {"head_dim": hd, "theta": m["rope_theta"], "max_position": max_position}
     g = gen()
     pos = _positions(rope_tokens, g, max_position)
-    add(f"model/rope/hd{hd}", "rope", "rope", _SEP_ROPE, params,
-        {"positions": pos, "q": _rope_near_ties(rope_tokens, 4, hd, pos, m["rope_theta"], g, max_position),
-         "k": _rope_near_ties(rope_tokens, 2, hd, pos, m["rope_theta"], g, max_position)}, True)
+    add(
+        f"model/rope/hd{hd}",
+        "rope",
+        "rope",
+        _SEP_ROPE,
+        params,
+        {
+            "positions": pos,
+            "q": _rope_near_ties(rope_tokens, 4, hd, pos, m["rope_theta"], g, max_position),
+            "k": _rope_near_ties(rope_tokens, 2, hd, pos, m["rope_theta"], g, max_position),
+        },
+        True,
+    )
     if m.get("qk_norm"):
         g = gen()
         pos = _positions(rope_tokens, g, max_position)
-        add(f"model/qk_norm_rope/hd{hd}", "qk_norm_rope", "qk_norm", _SEP_QK, {**params, "eps": eps},
-            {"positions": pos, "q": _rows(rope_tokens, 4 * hd, g), "k": _rows(rope_tokens, 2 * hd, g),
-             "q_weight": _weight(hd, g), "k_weight": _weight(hd, g)}, True)
+        add(
+            f"model/qk_norm_rope/hd{hd}",
+            "qk_norm_rope",
+            "qk_norm",
+            _SEP_QK,
+            {**params, "eps": eps},
+            {
+                "positions": pos,
+                "q": _rows(rope_tokens, 4 * hd, g),
+                "k": _rows(rope_tokens, 2 * hd, g),
+                "q_weight": _weight(hd, g),
+                "k_weight": _weight(hd, g),
+            },
+            True,
+        )
 
 
 def model_constants(model: str | Path) -> dict:
@@ -258,8 +377,10 @@ def model_constants(model: str | Path) -> dict:
         path = path.parent if path.is_file() and path.name == "config.json" else path
         name = path.resolve().name
     if not (path / "config.json").is_file():
-        raise MissingFile(f"--model {model}: no config.json in {path}; give a local model directory (the one "
-                                "from_pretrained loads) or 'shipped' for roundalign's tiny-qwen3")
+        raise MissingFile(
+            f"--model {model}: no config.json in {path}; give a local model directory (the one "
+            "from_pretrained loads) or 'shipped' for roundalign's tiny-qwen3"
+        )
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # unknown model_type, bad JSON, transformers' validators (their own error classes)
@@ -267,26 +388,42 @@ def model_constants(model: str | Path) -> dict:
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta if theta is not None else getattr(config, "rope_theta", None)
-    found = {"hidden_size": getattr(config, "hidden_size", None), "rms_norm_eps": getattr(config, "rms_norm_eps", None),
-             "rope_theta": theta, "max_position_embeddings": getattr(config, "max_position_embeddings", None),
-             "num_attention_heads": getattr(config, "num_attention_heads", None)}
+    found = {
+        "hidden_size": getattr(config, "hidden_size", None),
+        "rms_norm_eps": getattr(config, "rms_norm_eps", None),
+        "rope_theta": theta,
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+    }
     missing = [k for k, v in found.items() if v is None]
     if missing:
-        raise UserError(f"--model {model}: its config ({config.model_type}) has no {', '.join(missing)}; the "
-                         "battery needs them (a decoder LM with RMSNorm and RoPE: Llama, Qwen2, Qwen3, Qwen3-MoE)")
+        raise UserError(
+            f"--model {model}: its config ({config.model_type}) has no {', '.join(missing)}; the "
+            "battery needs them (a decoder LM with RMSNorm and RoPE: Llama, Qwen2, Qwen3, Qwen3-MoE)"
+        )
     head_dim = getattr(config, "head_dim", None) or found["hidden_size"] // found["num_attention_heads"]
     if head_dim % 2:
         raise UserError(f"--model {model}: head_dim {head_dim} is odd; RoPE rotates pairs")
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-    moe = (getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)) if experts \
+    moe = (
+        (getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None))
+        if experts
         else None
-    return {"name": name, "path": str(path.resolve()), "model_type": config.model_type, "head_dim": int(head_dim),
-            "rope_theta": float(theta), "rope_type": str(rope.get("rope_type", "default")) if isinstance(rope, dict)
-            else "default", "rms_norm_eps": float(found["rms_norm_eps"]), "hidden_size": int(found["hidden_size"]),
-            "intermediate_size": int(getattr(config, "intermediate_size", 0) or 0) or None,
-            "moe_intermediate_size": int(moe) if moe else None,
-            "max_position_embeddings": int(found["max_position_embeddings"]),
-            "qk_norm": config.model_type in QK_NORM_MODELS}
+    )
+    return {
+        "name": name,
+        "path": str(path.resolve()),
+        "model_type": config.model_type,
+        "head_dim": int(head_dim),
+        "rope_theta": float(theta),
+        "rope_type": str(rope.get("rope_type", "default")) if isinstance(rope, dict) else "default",
+        "rms_norm_eps": float(found["rms_norm_eps"]),
+        "hidden_size": int(found["hidden_size"]),
+        "intermediate_size": int(getattr(config, "intermediate_size", 0) or 0) or None,
+        "moe_intermediate_size": int(moe) if moe else None,
+        "max_position_embeddings": int(found["max_position_embeddings"]),
+        "qk_norm": config.model_type in QK_NORM_MODELS,
+    }
 
 
 def battery_id(battery: dict) -> str:
@@ -317,15 +454,21 @@ def save_battery(path: str | Path, seed: int = 0, model: dict | None = None) -> 
 def check_battery(battery: dict, where: str) -> None:
     """Raise ValueError unless ``battery`` is this version's battery, unmodified."""
     if not isinstance(battery, dict) or battery.get("format") != FORMAT:
-        raise UserError(f"{where} does not hold a roundalign fingerprint battery; make one with "
-                         "`roundalign fingerprint make --out battery.pt`")
+        raise UserError(
+            f"{where} does not hold a roundalign fingerprint battery; make one with "
+            "`roundalign fingerprint make --out battery.pt`"
+        )
     if battery.get("version") not in VERSIONS:
-        raise UserError(f"{where} holds battery version {battery.get('version')}, this roundalign reads versions "
-                         f"{', '.join(map(str, VERSIONS))}: make a new battery (`roundalign fingerprint make`) and "
-                         "run it again")
+        raise UserError(
+            f"{where} holds battery version {battery.get('version')}, this roundalign reads versions "
+            f"{', '.join(map(str, VERSIONS))}: make a new battery (`roundalign fingerprint make`) and "
+            "run it again"
+        )
     if battery_id(battery) != battery.get("id"):
-        raise UserError(f"{where}: the battery's tensors or constants do not match its id (modified or "
-                         "truncated); make a new battery with `roundalign fingerprint make` and run it again")
+        raise UserError(
+            f"{where}: the battery's tensors or constants do not match its id (modified or "
+            "truncated); make a new battery with `roundalign fingerprint make` and run it again"
+        )
 
 
 def describe(battery: dict) -> list[dict]:
@@ -333,6 +476,14 @@ def describe(battery: dict) -> list[dict]:
     rows = []
     for case in battery["cases"]:
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in case["inputs"].items())
-        rows.append({"case": case["name"], "region": case["region"], "inputs": shapes, "params": case["params"],
-                     "model": bool(case.get("model")), "separates": case["separates"]})
+        rows.append(
+            {
+                "case": case["name"],
+                "region": case["region"],
+                "inputs": shapes,
+                "params": case["params"],
+                "model": bool(case.get("model")),
+                "separates": case["separates"],
+            }
+        )
     return rows

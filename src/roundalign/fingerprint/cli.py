@@ -30,22 +30,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     make = sub.add_parser("make", help="write the battery's inputs", description="write the battery's inputs")
     make.add_argument("--out", default="battery.pt", metavar="PATH", help="where to write it (default battery.pt)")
     make.add_argument("--json", action="store_true", help="print the case list as JSON instead of a table")
-    make.add_argument("--model", metavar="PATH",
-                      help="also add cases shaped like this model (a local directory with config.json; 'shipped' "
-                           "for roundalign's tiny-qwen3): its head_dim, RoPE theta, eps, hidden and MLP sizes")
-    runner = sub.add_parser("runner", help="copy out the standalone runner script",
-                            description="copy out the script that runs the battery on the engine's machine")
-    runner.add_argument("--out", default="run_fingerprint.py", metavar="PATH",
-                        help="where to write it (default run_fingerprint.py)")
-    read = sub.add_parser("read", help="name the rule per region and mode",
-                          description="name each region's rounding rule per mode, with the evidence")
+    make.add_argument(
+        "--model",
+        metavar="PATH",
+        help="also add cases shaped like this model (a local directory with config.json; 'shipped' "
+        "for roundalign's tiny-qwen3): its head_dim, RoPE theta, eps, hidden and MLP sizes",
+    )
+    runner = sub.add_parser(
+        "runner",
+        help="copy out the standalone runner script",
+        description="copy out the script that runs the battery on the engine's machine",
+    )
+    runner.add_argument(
+        "--out", default="run_fingerprint.py", metavar="PATH", help="where to write it (default run_fingerprint.py)"
+    )
+    read = sub.add_parser(
+        "read",
+        help="name the rule per region and mode",
+        description="name each region's rounding rule per mode, with the evidence",
+    )
     read.add_argument("results", help="results.pt written by the runner")
     read.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    read.add_argument("--profile-out", nargs=2, metavar=("MODE", "PATH"),
-                      help="write a Profile JSON for MODE (eager or compiled) when every region is determined")
-    read.add_argument("--residual", metavar="RULE",
-                      help="the residual rule for --profile-out when the op level cannot tell it "
-                           "(round_at_attention or never_round, e.g. from `roundalign fit`)")
+    read.add_argument(
+        "--profile-out",
+        nargs=2,
+        metavar=("MODE", "PATH"),
+        help="write a Profile JSON for MODE (eager or compiled) when every region is determined",
+    )
+    read.add_argument(
+        "--residual",
+        metavar="RULE",
+        help="the residual rule for --profile-out when the op level cannot tell it "
+        "(round_at_attention or never_round, e.g. from `roundalign fit`)",
+    )
 
 
 @dataclass(frozen=True)
@@ -67,8 +84,9 @@ class FingerprintConfig:
             if not Path(self.results).is_file():
                 raise MissingFile(f"results file {self.results!r} does not exist")
             if self.residual is not None and self.profile_out is None:
-                raise UserError("--residual only fills in the profile that --profile-out writes; add --profile-out "
-                                "MODE PATH")
+                raise UserError(
+                    "--residual only fills in the profile that --profile-out writes; add --profile-out MODE PATH"
+                )
         elif Path(self.out).is_dir():
             name = "battery.pt" if self.action == "make" else "run_fingerprint.py"
             raise UserError(f"--out {self.out} is a directory; give a file name such as {Path(self.out) / name}")
@@ -77,8 +95,11 @@ class FingerprintConfig:
 
 def config_from_args(args: argparse.Namespace) -> FingerprintConfig:
     return FingerprintConfig(
-        action=args.fingerprint_command, out=getattr(args, "out", None), json=getattr(args, "json", False),
-        model=getattr(args, "model", None), results=getattr(args, "results", None),
+        action=args.fingerprint_command,
+        out=getattr(args, "out", None),
+        json=getattr(args, "json", False),
+        model=getattr(args, "model", None),
+        results=getattr(args, "results", None),
         profile_out=tuple(args.profile_out) if getattr(args, "profile_out", None) else None,
         residual=getattr(args, "residual", None),
     )
@@ -102,17 +123,29 @@ def _make(args, console) -> int:
     battery = save_battery(args.out, model=model)
     rows = describe(battery)
     if args.json:
-        print(json.dumps({"path": str(args.out), "id": battery["id"], "version": battery["version"],
-                          "model": battery["model"], "cases": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "path": str(args.out),
+                    "id": battery["id"],
+                    "version": battery["version"],
+                    "model": battery["model"],
+                    "cases": rows,
+                },
+                indent=2,
+            )
+        )
         return ExitStatus.OK
     from rich.table import Table
 
     shaped = f"; model cases for {_model_label(model)}" if model else ""
     if model and model["rope_type"] != "default":  # the battery has plain RoPE only (docs/fingerprint.md)
         shaped += f" (its rope_type {model['rope_type']} is tested as plain RoPE at its theta)"
-    table = Table(title=f"fingerprint battery v{battery['version']}: {len(rows)} cases written to {args.out}",
-                  caption=f"battery id {battery['id'][:16]}...{shaped}\nnext: `roundalign fingerprint runner` writes "
-                          "the script that runs these cases on the engine's machine")
+    table = Table(
+        title=f"fingerprint battery v{battery['version']}: {len(rows)} cases written to {args.out}",
+        caption=f"battery id {battery['id'][:16]}...{shaped}\nnext: `roundalign fingerprint runner` writes "
+        "the script that runs these cases on the engine's machine",
+    )
     for col in ("case", "region", "inputs", "separates"):
         table.add_column(col, overflow="fold")
     for row in rows:
@@ -128,10 +161,12 @@ def runner_source() -> Path:
 def _runner(args, console) -> int:
     out = Path(args.out)
     shutil.copyfile(runner_source(), out)
-    console.print(f"wrote {out}. On the engine's machine, in the engine's Python:\n"
-                  f"  python {out.name} battery.pt --engine vllm --out results.pt   (or --engine sglang)\n"
-                  f"(a dry run on any machine, vLLM's native code: python {out.name} battery.pt --engine native)\n"
-                  "then bring results.pt back: roundalign fingerprint read results.pt")
+    console.print(
+        f"wrote {out}. On the engine's machine, in the engine's Python:\n"
+        f"  python {out.name} battery.pt --engine vllm --out results.pt   (or --engine sglang)\n"
+        f"(a dry run on any machine, vLLM's native code: python {out.name} battery.pt --engine native)\n"
+        "then bring results.pt back: roundalign fingerprint read results.pt"
+    )
     return ExitStatus.OK
 
 
@@ -142,9 +177,11 @@ def _read(args, console) -> int:
     entries = read_results(load_results(path))
     written = _profile_out(args, entries) if args.profile_out else None
     if args.json:
-        data = [{k: v for k, v in e.items() if k not in ("regions", "model")}
-                | {"regions": {n: r.to_dict() for n, r in e["regions"].items()}, "model": _model_json(e["model"])}
-                for e in entries]
+        data = [
+            {k: v for k, v in e.items() if k not in ("regions", "model")}
+            | {"regions": {n: r.to_dict() for n, r in e["regions"].items()}, "model": _model_json(e["model"])}
+            for e in entries
+        ]
         print(json.dumps({"runs": data, "profile_out": written}, indent=2))
         return ExitStatus.OK
     for entry in entries:
@@ -152,16 +189,22 @@ def _read(args, console) -> int:
         if entry["model"]:
             console.print(model_line(entry["model"]), highlight=False)
     if written:
-        console.print(f"wrote profile {written['name']} to {written['path']}: "
-                      + ", ".join(f"{k} from {v}" for k, v in written["sources"].items()))
+        console.print(
+            f"wrote profile {written['name']} to {written['path']}: "
+            + ", ".join(f"{k} from {v}" for k, v in written["sources"].items())
+        )
     return ExitStatus.OK
 
 
 def _model_json(model: dict | None) -> dict | None:
     if model is None:
         return None
-    return {"constants": model["constants"], "line": model_line(model), "differs": model["differs"],
-            "regions": {n: r.to_dict() for n, r in model["regions"].items()}}
+    return {
+        "constants": model["constants"],
+        "line": model_line(model),
+        "differs": model["differs"],
+        "regions": {n: r.to_dict() for n, r in model["regions"].items()},
+    }
 
 
 def _profile_out(args, entries) -> dict:
@@ -171,8 +214,10 @@ def _profile_out(args, entries) -> dict:
     chosen = [e for e in entries if e["mode"] == mode]
     if len(chosen) != 1:
         modes = sorted({e["mode"] for e in entries})
-        raise UserError(f"--profile-out {mode}: the results hold {len(chosen)} run(s) in that mode (modes: {modes}); "
-                         "need exactly one")
+        raise UserError(
+            f"--profile-out {mode}: the results hold {len(chosen)} run(s) in that mode (modes: {modes}); "
+            "need exactly one"
+        )
     profile, sources = build_profile(chosen[0], args.residual)
     profile.save(out)
     return {"name": profile.name, "path": str(out), "sources": sources}
@@ -180,9 +225,11 @@ def _profile_out(args, entries) -> dict:
 
 def _model_label(constants: dict) -> str:
     c = constants
-    sizes = ", ".join(f"{k}={c[k]:g}" if isinstance(c[k], float) else f"{k}={c[k]}"
-                      for k in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_size", "intermediate_size",
-                                "moe_intermediate_size") if c.get(k) is not None)
+    sizes = ", ".join(
+        f"{k}={c[k]:g}" if isinstance(c[k], float) else f"{k}={c[k]}"
+        for k in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_size", "intermediate_size", "moe_intermediate_size")
+        if c.get(k) is not None
+    )
     return f"{c['name']} ({sizes})"
 
 
@@ -194,8 +241,10 @@ def model_line(model: dict) -> str:
         parts.append(f"{name} {'|'.join(region.rules) or '-'}{status}")
     line = f"for your model {_model_label(model['constants'])}: " + ", ".join(parts)
     if model["differs"]:
-        line += (f"\n  differs from the generic cases in: {', '.join(model['differs'])} (the engine's rule depends on "
-                 "the shape; the profile follows your model's)")
+        line += (
+            f"\n  differs from the generic cases in: {', '.join(model['differs'])} (the engine's rule depends on "
+            "the shape; the profile follows your model's)"
+        )
     return line
 
 
@@ -206,18 +255,22 @@ def _evidence(region) -> str:
         for row in region.evidence:
             lines.setdefault(row["head_dim"], []).append(f"{row['rule']} {row['equal']:.2%} ({row['max_ulp']} ulp)")
         return "\n".join(f"hd{hd}: " + ", next ".join(parts) for hd, parts in lines.items())
-    return "\n".join(f"{row['rule']}: {row['equal']:.4%} equal (worst case {row['worst_case']:.2%}), "
-                     f"max {row['max_ulp']} ulp" for row in rows)
+    return "\n".join(
+        f"{row['rule']}: {row['equal']:.4%} equal (worst case {row['worst_case']:.2%}), max {row['max_ulp']} ulp"
+        for row in rows
+    )
 
 
 def _table(entry: dict):
     from rich.table import Table
 
-    table = Table(title=f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode",
-                  caption=f"device {entry['device']}, torch {entry['torch']}. A rule matches when >= 99.9% of the "
-                          "elements equal it and every difference is 1 ulp at most; it is determined when every "
-                          "other rule is under 99% in some case.",
-                  show_lines=True)
+    table = Table(
+        title=f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode",
+        caption=f"device {entry['device']}, torch {entry['torch']}. A rule matches when >= 99.9% of the "
+        "elements equal it and every difference is 1 ulp at most; it is determined when every "
+        "other rule is under 99% in some case.",
+        show_lines=True,
+    )
     table.add_column("region", style="bold cyan", no_wrap=True)
     table.add_column("rule", no_wrap=True)
     table.add_column("status", no_wrap=True)
@@ -225,6 +278,7 @@ def _table(entry: dict):
     table.add_column("note", overflow="fold", ratio=1)
     for name, region in entry["regions"].items():
         style = STATUS_STYLE[region.status]
-        table.add_row(name, "\n".join(region.rules) or "-", f"[{style}]{region.status}[/{style}]", _evidence(region),
-                      region.note)
+        table.add_row(
+            name, "\n".join(region.rules) or "-", f"[{style}]{region.status}[/{style}]", _evidence(region), region.note
+        )
     return table

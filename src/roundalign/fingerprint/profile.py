@@ -25,12 +25,17 @@ def _rope(region) -> RopeRule | HeadDimRope:
     if len(by_rule) == 1:
         return RopeRule.parse(next(iter(by_rule)))
     generic = [rule for rule, dims in by_rule.items() if any(d & (d - 1) for d in dims)]
-    if len(by_rule) == 2 and len(generic) == 1 and all(not (d & (d - 1)) for r, ds in by_rule.items()
-                                                         if r != generic[0] for d in ds):
+    if (
+        len(by_rule) == 2
+        and len(generic) == 1
+        and all(not (d & (d - 1)) for r, ds in by_rule.items() if r != generic[0] for d in ds)
+    ):
         special = next(r for r in by_rule if r != generic[0])
         return HeadDimRope(head_dims=tuple(sorted(by_rule[special])), rule=special, other=generic[0])
-    raise UserError(f"RoPE rules by head_dim {by_rule} do not fit one head_dim-dependent rule; "
-                     "write the profile by hand (docs/profiles.md)")
+    raise UserError(
+        f"RoPE rules by head_dim {by_rule} do not fit one head_dim-dependent rule; "
+        "write the profile by hand (docs/profiles.md)"
+    )
 
 
 def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, dict[str, str]]:
@@ -44,13 +49,18 @@ def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, di
     if residual is not None:
         residual = ResidualRule.parse(residual, "residual").value
         if residual not in residual_region.rules:
-            raise UserError(f"--residual {residual} contradicts the battery: the {tag} run's residual is "
-                             f"{residual_region.status} {residual_region.rules}")
+            raise UserError(
+                f"--residual {residual} contradicts the battery: the {tag} run's residual is "
+                f"{residual_region.status} {residual_region.rules}"
+            )
         open_.pop("residual", None)
     if open_:
         detail = "; ".join(f"{name}: {r.status} {r.rules}" for name, r in open_.items())
-        hint = (" (the residual: pass --residual round_at_attention|never_round, e.g. from `roundalign fit`)"
-                if "residual" in open_ and residual_region.status == "indistinguishable" else "")
+        hint = (
+            " (the residual: pass --residual round_at_attention|never_round, e.g. from `roundalign fit`)"
+            if "residual" in open_ and residual_region.status == "indistinguishable"
+            else ""
+        )
         raise UserError(f"cannot write a profile for the {tag} run, not every region is determined: {detail}{hint}")
     rules = {name: r.rules[0] for name, r in regions.items() if name != "rope"}
     rules["residual"] = residual or rules["residual"]
@@ -64,7 +74,7 @@ def build_profile(entry: dict, residual: str | None = None) -> tuple[Profile, di
         name=f"fingerprint-{entry['engine']}-{entry['mode']}",
         rope=rope,
         engines=f"{entry['engine']} {version}, {entry['mode']} mode, {entry.get('device', '?')}, "
-                f"torch {entry.get('torch', '?')}{shaped}",
+        f"torch {entry.get('torch', '?')}{shaped}",
         source="roundalign fingerprint read: " + ", ".join(f"{k} from {v}" for k, v in sources.items()),
         **rules,
     )

@@ -75,8 +75,9 @@ class Region:
 
 def _rope_rule(x, positions, p, rule: str):
     cs, rounding = rule.split("/")
-    cos, sin = B.cos_sin(positions, p["head_dim"], p["theta"], p["max_position"],
-                         B.DTYPE if cs == "bf16" else torch.float32)
+    cos, sin = B.cos_sin(
+        positions, p["head_dim"], p["theta"], p["max_position"], B.DTYPE if cs == "bf16" else torch.float32
+    )
     return rope(x, cos, sin, rounding, out_dtype=B.DTYPE)
 
 
@@ -173,16 +174,26 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
     evidence = _evidence(scored, part)
     if not matching:
         best = classes[0][0]
-        return Region(region, "no_rule", [], evidence,
-                      f"no rule matches: the closest, {_label(best.cand)}, has {best.equal:.2%} of elements equal "
-                      f"and {best.max_ulp} ulp at most; the engine rounds somewhere no roundalign rule does")
+        return Region(
+            region,
+            "no_rule",
+            [],
+            evidence,
+            f"no rule matches: the closest, {_label(best.cand)}, has {best.equal:.2%} of elements equal "
+            f"and {best.max_ulp} ulp at most; the engine rounds somewhere no roundalign rule does",
+        )
     others = [cls[0] for cls in classes if cls is not matching[0]]
     close = [o for o in others if o.worst_case >= FAR_BELOW]
     if len(matching) > 1 or close:
         rules = sorted({str(c.cand[part]) for cls in matching for c in cls} | {str(o.cand[part]) for o in close})
-        return Region(region, "ambiguous", rules, evidence,
-                      f"the battery does not separate these: {_label(close[0].cand if close else matching[1][0].cand)} "
-                      f"has {(close[0] if close else matching[1][0]).worst_case:.2%} equal in every case")
+        return Region(
+            region,
+            "ambiguous",
+            rules,
+            evidence,
+            f"the battery does not separate these: {_label(close[0].cand if close else matching[1][0].cand)} "
+            f"has {(close[0] if close else matching[1][0]).worst_case:.2%} equal in every case",
+        )
     winner = matching[0]
     rules = sorted({str(c.cand[part]) for c in winner})
     rest = {k: str(v) for k, v in winner[0].cand.items() if k != part}
@@ -190,8 +201,10 @@ def _decide(region: str, part: str, candidates: list[dict], outputs: dict, cases
     if len(rules) == 1:
         return Region(region, "determined", rules, evidence, note)
     if set(rules) == OP_LEVEL_TWINS:
-        note = (f"{' and '.join(rules)} give the same op outputs (they differ in where an engine splits its graphs); "
-                "use `roundalign fit` on dumped log-probs to tell them apart" + (f"; {note}" if note else ""))
+        note = (
+            f"{' and '.join(rules)} give the same op outputs (they differ in where an engine splits its graphs); "
+            "use `roundalign fit` on dumped log-probs to tell them apart" + (f"; {note}" if note else "")
+        )
     return Region(region, "indistinguishable", rules, evidence, note)
 
 
@@ -216,8 +229,16 @@ def _evidence(scored: list[_Scored], part: str) -> list[dict]:
         rule = str(item.cand[part])
         if rule not in best or item.equal > best[rule].equal:
             best[rule] = item
-    rows = [{"rule": r, "equal": b.equal, "worst_case": b.worst_case, "max_ulp": b.max_ulp,
-             "with": {k: str(v) for k, v in b.cand.items() if k != part}} for r, b in best.items()]
+    rows = [
+        {
+            "rule": r,
+            "equal": b.equal,
+            "worst_case": b.worst_case,
+            "max_ulp": b.max_ulp,
+            "with": {k: str(v) for k, v in b.cand.items() if k != part},
+        }
+        for r, b in best.items()
+    ]
     return sorted(rows, key=lambda row: -row["equal"])
 
 
@@ -245,18 +266,23 @@ def read_run(battery: dict, outputs: dict, model: bool = False) -> dict[str, Reg
     regions["residual"] = _decide("residual", "residual", res, outputs, cases["residual"])
     per_hd = {}
     for case in cases["rope"]:
-        per_hd[case["params"]["head_dim"]] = _decide("rope", "rope", [{"rope": r} for r in B.ROPE_RULES],
-                                                     outputs, [case])
+        per_hd[case["params"]["head_dim"]] = _decide(
+            "rope", "rope", [{"rope": r} for r in B.ROPE_RULES], outputs, [case]
+        )
     regions["rope"] = next(iter(per_hd.values())) if model else _rope_region(per_hd)
     if "qk_norm" in cases:
         hds = sorted({c["params"]["head_dim"] for c in cases["qk_norm"]})
-        qk = [{"qk_norm": q.value, **{f"rope@{hd}": r for hd, r in zip(hds, rr, strict=True)}}
-              for q in QKNormRule for rr in itertools.product(B.ROPE_RULES, repeat=len(hds))]
+        qk = [
+            {"qk_norm": q.value, **{f"rope@{hd}": r for hd, r in zip(hds, rr, strict=True)}}
+            for q in QKNormRule
+            for rr in itertools.product(B.ROPE_RULES, repeat=len(hds))
+        ]
         regions["qk_norm"] = _decide("qk_norm", "qk_norm", qk, outputs, cases["qk_norm"])
     for region in ("swiglu", "expert_swiglu"):
         if region in cases:
-            regions[region] = _decide(region, "swiglu", [{"swiglu": s.value} for s in SwiGLURule], outputs,
-                                      cases[region])
+            regions[region] = _decide(
+                region, "swiglu", [{"swiglu": s.value} for s in SwiGLURule], outputs, cases[region]
+            )
     return {name: regions[name] for name in REGION_ORDER if name in regions}
 
 
@@ -279,8 +305,11 @@ def read_model(battery: dict, outputs: dict, generic: dict[str, Region]) -> dict
 def _rope_region(per_hd: dict[int, Region]) -> Region:
     summary = [f"hd{hd}: {'|'.join(r.rules) or '-'}" for hd, r in sorted(per_hd.items())]
     statuses = {r.status for r in per_hd.values()}
-    status = "determined" if statuses == {"determined"} else next(
-        s for s in ("no_rule", "ambiguous", "indistinguishable") if s in statuses)
+    status = (
+        "determined"
+        if statuses == {"determined"}
+        else next(s for s in ("no_rule", "ambiguous", "indistinguishable") if s in statuses)
+    )
     distinct = {tuple(r.rules) for r in per_hd.values()}
     rules = list(next(iter(distinct))) if len(distinct) == 1 else summary
     note = "" if len(distinct) == 1 else "the rule depends on head_dim"
@@ -295,12 +324,16 @@ def _rope_region(per_hd: dict[int, Region]) -> Region:
 def check_results(results, where: str = "results") -> None:
     """Raise ValueError unless ``results`` is a complete results file for this battery version."""
     if not isinstance(results, dict) or results.get("format") != R.RESULTS_FORMAT:
-        raise UserError(f"{where} is not a fingerprint results file; the runner writes one "
-                         "(`python run_fingerprint.py battery.pt --engine vllm --out results.pt`)")
+        raise UserError(
+            f"{where} is not a fingerprint results file; the runner writes one "
+            "(`python run_fingerprint.py battery.pt --engine vllm --out results.pt`)"
+        )
     if results.get("version") != R.RESULTS_VERSION:
-        raise UserError(f"{where} has results version {results.get('version')}; this roundalign reads "
-                         f"{R.RESULTS_VERSION}: rerun the runner copied from this roundalign "
-                         "(`roundalign fingerprint runner`)")
+        raise UserError(
+            f"{where} has results version {results.get('version')}; this roundalign reads "
+            f"{R.RESULTS_VERSION}: rerun the runner copied from this roundalign "
+            "(`roundalign fingerprint runner`)"
+        )
     B.check_battery(results.get("battery"), f"{where}'s battery")
     battery = results["battery"]
     runs = results.get("runs") or []
@@ -315,15 +348,17 @@ def check_results(results, where: str = "results") -> None:
         missing = [n for n in names if n not in outputs]
         extra = [n for n in outputs if n not in names]
         if missing or extra:
-            raise UserError(f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on "
-                             "this battery")
+            raise UserError(
+                f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on this battery"
+            )
         for case in battery["cases"]:
             want = R._expected_shapes(case)
             got = outputs[case["name"]]
             shapes = [(tuple(t.shape), t.dtype) for t in got] if isinstance(got, (list, tuple)) else got
             if shapes != [(s, B.DTYPE) for s in want]:
-                raise UserError(f"{tag}: case {case['name']!r} has outputs {shapes}; expected "
-                                 f"{[(s, B.DTYPE) for s in want]}")
+                raise UserError(
+                    f"{tag}: case {case['name']!r} has outputs {shapes}; expected {[(s, B.DTYPE) for s in want]}"
+                )
 
 
 def load_results(path) -> dict:
@@ -341,7 +376,15 @@ def read_results(results: dict) -> list[dict]:
     for run in results["runs"]:
         info = run.get("info", {})
         regions = read_run(battery, run["outputs"])
-        out.append({"engine": run["engine"], "mode": run["mode"], "engine_version": info.get("engine_version", "?"),
-                    "device": run.get("device", "?"), "torch": results.get("torch", "?"), "regions": regions,
-                    "model": read_model(battery, run["outputs"], regions)})
+        out.append(
+            {
+                "engine": run["engine"],
+                "mode": run["mode"],
+                "engine_version": info.get("engine_version", "?"),
+                "device": run.get("device", "?"),
+                "torch": results.get("torch", "?"),
+                "regions": regions,
+                "model": read_model(battery, run["outputs"], regions),
+            }
+        )
     return out

@@ -72,8 +72,12 @@ MODES = ("eager", "compiled")
 
 # The battery inputs each op's graph takes, in order (weights and constants go into the modules instead).
 INPUTS = {
-    "rms_norm": ("x",), "add_rms_norm": ("x", "residual"), "add_rms_norm_chain": ("x1", "residual", "x2"),
-    "silu_and_mul": ("x",), "expert_silu_and_mul": ("x",), "rope": ("positions", "q", "k"),
+    "rms_norm": ("x",),
+    "add_rms_norm": ("x", "residual"),
+    "add_rms_norm_chain": ("x1", "residual", "x2"),
+    "silu_and_mul": ("x",),
+    "expert_silu_and_mul": ("x",),
+    "rope": ("positions", "q", "k"),
     "qk_norm_rope": ("positions", "q", "k"),
 }
 
@@ -141,6 +145,7 @@ def _case_graph(case: dict, a: Adapter):
         def add(x, residual):
             out, res = f(x, residual)
             return out, res.to(DTYPE)  # a residual leaving a graph is stored in the model dtype, as at a piece edge
+
         return add
     if op == "add_rms_norm_chain":
         f1, f2 = a.add_rms_norm(weight["weight1"], p["eps"]), a.add_rms_norm(weight["weight2"], p["eps"])
@@ -149,6 +154,7 @@ def _case_graph(case: dict, a: Adapter):
             out1, res = f1(x1, residual)
             out2, res = f2(x2, res)  # the residual between the two calls never leaves the graph
             return out1, out2, res.to(DTYPE)
+
         return chain
     if op in ("silu_and_mul", "expert_silu_and_mul"):
         f = getattr(a, op)()
@@ -164,6 +170,7 @@ def _case_graph(case: dict, a: Adapter):
             q = nq(q.view(q.shape[0], -1, hd)).view(q.shape[0], -1)
             k = nk(k.view(k.shape[0], -1, hd)).view(k.shape[0], -1)
             return tuple(rope(positions, q, k))
+
         return qk
     raise ValueError(f"battery case {case['name']!r} has unknown op {op!r}; this runner is too old for it")
 
@@ -188,13 +195,16 @@ def collect(battery: dict, adapter: Adapter, log=print) -> dict:
             except EngineMissing:
                 raise
             except Exception as exc:
-                raise RuntimeError(f"{adapter.engine} {adapter.mode}: case {name!r} failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(
+                    f"{adapter.engine} {adapter.mode}: case {name!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
             shapes = _expected_shapes(case)
             got = [(tuple(t.shape), t.dtype) for t in outs]
             if got != [(s, DTYPE) for s in shapes]:
-                raise RuntimeError(f"{adapter.engine} {adapter.mode}: case {name!r} returned {got}; expected "
-                                   f"{[(s, DTYPE) for s in shapes]}")
+                raise RuntimeError(
+                    f"{adapter.engine} {adapter.mode}: case {name!r} returned {got}; expected "
+                    f"{[(s, DTYPE) for s in shapes]}"
+                )
             outputs[name] = outs
             log(f"  {adapter.mode:8s} {name}")
     return outputs
@@ -204,9 +214,11 @@ def check_battery(battery) -> None:
     if not isinstance(battery, dict) or battery.get("format") != BATTERY_FORMAT:
         raise ValueError("not a roundalign fingerprint battery (make one with `roundalign fingerprint make`)")
     if battery.get("version") not in BATTERY_VERSIONS:
-        raise ValueError(f"battery version {battery.get('version')}; this runner reads versions "
-                         f"{', '.join(map(str, BATTERY_VERSIONS))}. Copy the runner and the battery from the same "
-                         "roundalign.")
+        raise ValueError(
+            f"battery version {battery.get('version')}; this runner reads versions "
+            f"{', '.join(map(str, BATTERY_VERSIONS))}. Copy the runner and the battery from the same "
+            "roundalign."
+        )
 
 
 def run_battery(battery: dict, adapters: list[Adapter], log=print) -> dict:
@@ -216,10 +228,17 @@ def run_battery(battery: dict, adapters: list[Adapter], log=print) -> dict:
     for a in adapters:
         log(f"{a.engine} {a.mode}:")
         outputs = collect(battery, a, log)
-        runs.append({"engine": a.engine, "mode": a.mode, "device": _device_name(a.device), "info": a.info(),
-                     "outputs": outputs})
-    return {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "battery": battery, "torch": str(torch.__version__),
-            "python": platform.python_version(), "runs": runs}
+        runs.append(
+            {"engine": a.engine, "mode": a.mode, "device": _device_name(a.device), "info": a.info(), "outputs": outputs}
+        )
+    return {
+        "format": RESULTS_FORMAT,
+        "version": RESULTS_VERSION,
+        "battery": battery,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "runs": runs,
+    }
 
 
 def _device_name(device: str) -> str:
@@ -244,11 +263,23 @@ def _make_rope(get_rope, head_dim, theta, max_position):
     """get_rope under either signature: new (rope_parameters) or old (rotary_dim, max_position, base)."""
     params = inspect.signature(get_rope).parameters
     if "rope_parameters" in params:
-        return get_rope(head_dim, max_position=max_position, is_neox_style=True,
-                        rope_parameters={"rope_theta": theta, "rope_type": "default"}, dtype=DTYPE)
+        return get_rope(
+            head_dim,
+            max_position=max_position,
+            is_neox_style=True,
+            rope_parameters={"rope_theta": theta, "rope_type": "default"},
+            dtype=DTYPE,
+        )
     if "rotary_dim" in params:
-        return get_rope(head_dim, rotary_dim=head_dim, max_position=max_position, base=theta, is_neox_style=True,
-                        rope_scaling=None, dtype=DTYPE)
+        return get_rope(
+            head_dim,
+            rotary_dim=head_dim,
+            max_position=max_position,
+            base=theta,
+            is_neox_style=True,
+            rope_scaling=None,
+            dtype=DTYPE,
+        )
     raise RuntimeError(f"get_rope{inspect.signature(get_rope)}: unknown signature; update the runner's _make_rope")
 
 
@@ -264,14 +295,18 @@ class _ModuleAdapter(Adapter):
             with _build_defaults(self.device):
                 m = build()
         except Exception as exc:
-            raise RuntimeError(f"building {self.engine}'s {what} failed ({type(exc).__name__}: {exc}); "
-                               "its API may have moved: see the runner's docstring for the source it follows") from exc
+            raise RuntimeError(
+                f"building {self.engine}'s {what} failed ({type(exc).__name__}: {exc}); "
+                "its API may have moved: see the runner's docstring for the source it follows"
+            ) from exc
         m = m.to(self.device)
         if self.mode == "eager":
             chosen = getattr(getattr(m, "_forward_method", None), "__name__", None)
             if chosen is not None and chosen not in self.cuda_forwards:
-                raise RuntimeError(f"{self.engine}'s {what} dispatched to {chosen}, not its CUDA kernel: custom ops "
-                                   "are not on in this configuration")
+                raise RuntimeError(
+                    f"{self.engine}'s {what} dispatched to {chosen}, not its CUDA kernel: custom ops "
+                    "are not on in this configuration"
+                )
             return m
         return m.forward_native
 
@@ -283,6 +318,7 @@ class _ModuleAdapter(Adapter):
                 m = self.RMSNorm(weight.shape[0], eps=eps)
             m.weight.data.copy_(weight)
             return m
+
         return self._module("RMSNorm", build)
 
     def rms_norm(self, weight, eps):
@@ -310,14 +346,17 @@ class VllmAdapter(_ModuleAdapter):
             from vllm.model_executor.layers.activation import SiluAndMul
             from vllm.model_executor.layers.layernorm import RMSNorm
         except ImportError as exc:
-            raise EngineMissing(f"vLLM cannot be imported here ({exc}); run this script in the Python that "
-                                "runs vLLM, on the engine's machine") from exc
+            raise EngineMissing(
+                f"vLLM cannot be imported here ({exc}); run this script in the Python that "
+                "runs vLLM, on the engine's machine"
+            ) from exc
         self.vllm, self.RMSNorm, self.SiluAndMul = vllm, RMSNorm, SiluAndMul
         self.get_rope = rotary_embedding.get_rope
         getattr(rotary_embedding, "_ROPE_DICT", {}).clear()  # modules cached under another config would be reused
         custom_ops = ["all"] if mode == "eager" else ["none"]
         try:  # vLLM >= 0.12: mode; older: level (0 = no compilation, as enforce_eager sets)
             from vllm.config import CompilationMode
+
             cc = CompilationConfig(custom_ops=custom_ops, **({"mode": CompilationMode.NONE} if mode == "eager" else {}))
         except ImportError:
             cc = CompilationConfig(custom_ops=custom_ops, **({"level": 0} if mode == "eager" else {}))
@@ -342,6 +381,7 @@ class VllmAdapter(_ModuleAdapter):
             out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
             torch.ops._C.silu_and_mul(out, x)  # what fused_moe's apply_moe_activation calls for "silu"
             return out
+
         return act
 
     def graph(self, fn):
@@ -352,13 +392,17 @@ class VllmAdapter(_ModuleAdapter):
         def run(*args):
             with _ir_ops_lowered_to_native():
                 return compiled(*args)
+
         return run
 
     def info(self) -> dict:
-        out = {"engine_version": str(getattr(self.vllm, "__version__", "?")),
-               "custom_ops": list(self.config.compilation_config.custom_ops)}
+        out = {
+            "engine_version": str(getattr(self.vllm, "__version__", "?")),
+            "custom_ops": list(self.config.compilation_config.custom_ops),
+        }
         try:
             from vllm.ir.op import IrOp
+
             with self.context():
                 out["ir_op_priority"] = {name: op.get_priority() for name, op in IrOp.registry.items()}
         except ImportError:
@@ -394,8 +438,10 @@ class SglangAdapter(_ModuleAdapter):
             from sglang.srt.layers.layernorm import RMSNorm
             from sglang.srt.layers.rotary_embedding import get_rope
         except ImportError as exc:
-            raise EngineMissing(f"SGLang cannot be imported here ({exc}); run this script in the Python that "
-                                "runs SGLang, on the engine's machine") from exc
+            raise EngineMissing(
+                f"SGLang cannot be imported here ({exc}); run this script in the Python that "
+                "runs SGLang, on the engine's machine"
+            ) from exc
         self.sglang, self.RMSNorm, self.SiluAndMul, self.get_rope = sglang, RMSNorm, SiluAndMul, get_rope
 
     def expert_silu_and_mul(self):
@@ -408,6 +454,7 @@ class SglangAdapter(_ModuleAdapter):
             out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
             silu_and_mul(x, out)
             return out
+
         return act
 
     def info(self) -> dict:
@@ -510,12 +557,17 @@ def default_device() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the roundalign fingerprint battery through an engine's layers.")
     parser.add_argument("battery", help="battery.pt from `roundalign fingerprint make`")
-    parser.add_argument("--engine", required=True, choices=sorted(ADAPTERS),
-                        help="whose layers to run (native: vLLM's forward_native code, a dry run on any machine)")
+    parser.add_argument(
+        "--engine",
+        required=True,
+        choices=sorted(ADAPTERS),
+        help="whose layers to run (native: vLLM's forward_native code, a dry run on any machine)",
+    )
     parser.add_argument("--out", default="results.pt", help="where to write the results (default results.pt)")
     parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both (default eager,compiled)")
-    parser.add_argument("--device", default=default_device(),
-                        help="torch device (default cuda when available, else cpu)")
+    parser.add_argument(
+        "--device", default=default_device(), help="torch device (default cuda when available, else cpu)"
+    )
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -533,8 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_fingerprint: error: {exc}", file=sys.stderr)
         return 2
     torch.save(results, args.out)
-    print(f"wrote {args.out}: {len(battery['cases'])} cases x {', '.join(modes)}; "
-          "read it with `roundalign fingerprint read`")
+    print(
+        f"wrote {args.out}: {len(battery['cases'])} cases x {', '.join(modes)}; "
+        "read it with `roundalign fingerprint read`"
+    )
     return 0
 
 

@@ -27,24 +27,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from roundalign.fit.search import MAX_EXCESS
 
     a = parser.add_argument
-    a("--engine-logprobs", metavar="FILE", required=True,
-      help="JSONL dumped by the engine: one {prompt_token_ids, token_ids, logprobs} object per line "
-      "(docs/real-engines.md, docs/fit.md)")
+    a(
+        "--engine-logprobs",
+        metavar="FILE",
+        required=True,
+        help="JSONL dumped by the engine: one {prompt_token_ids, token_ids, logprobs} object per line "
+        "(docs/real-engines.md, docs/fit.md)",
+    )
     a("--model", metavar="PATH", help="the HF model directory the engine served (default: the shipped tiny-qwen3)")
     a("--out", metavar="DIR", default="fit-out", help="where profile.json and report.json go (default fit-out)")
-    a("--device", default="cpu", metavar="DEV",
-      help="where the trainer model runs the candidates' forwards: cpu (default), cuda, cuda:1, ... A GPU makes a "
-      "large model's fit minutes instead of hours, and its matmul kernels are closer to the engine's")
+    a(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where the trainer model runs the candidates' forwards: cpu (default), cuda, cuda:1, ... A GPU makes a "
+        "large model's fit minutes instead of hours, and its matmul kernels are closer to the engine's",
+    )
     a("--exhaustive", action="store_true", help="score every candidate on every token (no pruning)")
-    a("--screen-tokens", type=int, metavar="N",
-      help="tokens every candidate is scored on before pruning (default 512)")
-    a("--prune-z", type=float, metavar="Z",
-      help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)")
-    a("--decide-z", type=float, default=3.0, metavar="Z",
-      help="call a region determined when the best beats its other rules with z >= Z (default 3)")
-    a("--max-excess", type=float, default=MAX_EXCESS, metavar="X",
-      help="refuse a dump farther from the best candidate than X times what rounding rules and kernels do to the "
-      f"same tokens (default {MAX_EXCESS:g}; docs/fit.md)")
+    a("--screen-tokens", type=int, metavar="N", help="tokens every candidate is scored on before pruning (default 512)")
+    a(
+        "--prune-z",
+        type=float,
+        metavar="Z",
+        help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)",
+    )
+    a(
+        "--decide-z",
+        type=float,
+        default=3.0,
+        metavar="Z",
+        help="call a region determined when the best beats its other rules with z >= Z (default 3)",
+    )
+    a(
+        "--max-excess",
+        type=float,
+        default=MAX_EXCESS,
+        metavar="X",
+        help="refuse a dump farther from the best candidate than X times what rounding rules and kernels do to the "
+        f"same tokens (default {MAX_EXCESS:g}; docs/fit.md)",
+    )
     a("--top", type=int, default=10, metavar="N", help="candidates to list (default 10)")
     a("--json", action="store_true", help="print report.json instead of the tables")
 
@@ -69,8 +90,10 @@ class FitConfig:
         from roundalign.fit.search import MAX_EXCESS
 
         if self.exhaustive and (self.screen_tokens is not None or self.prune_z is not None):
-            raise UserError("--exhaustive scores every candidate on every token, so --screen-tokens and --prune-z "
-                            "would be ignored; drop them")
+            raise UserError(
+                "--exhaustive scores every candidate on every token, so --screen-tokens and --prune-z "
+                "would be ignored; drop them"
+            )
         cfg = dataclasses.replace(
             self,
             max_excess=MAX_EXCESS if self.max_excess is None else self.max_excess,
@@ -114,12 +137,16 @@ def plan(model, rollouts, args: FitConfig) -> str:
     space = Space.of(model)
     n, tokens = len(rollouts), sum(len(r.token_ids) for r in rollouts)
     first, count = screen_prefix(rollouts, args.screen_tokens)
-    text = (f"fit: {space.size()} candidates ({' x '.join(str(len(RULES[r])) for r in space.regions)} rules over "
-            f"{', '.join(space.regions)}) x {n} sequences ({tokens} tokens) = {space.size() * n} forwards at most")
+    text = (
+        f"fit: {space.size()} candidates ({' x '.join(str(len(RULES[r])) for r in space.regions)} rules over "
+        f"{', '.join(space.regions)}) x {n} sequences ({tokens} tokens) = {space.size() * n} forwards at most"
+    )
     if args.exhaustive or tokens - count < count:
         return text + "; every candidate on every sequence"
-    return text + (f"; all candidates on the first {len(first)} sequences ({count} tokens), then only the rules not "
-                   "clearly beaten there")
+    return text + (
+        f"; all candidates on the first {len(first)} sequences ({count} tokens), then only the rules not "
+        "clearly beaten there"
+    )
 
 
 def run(args: FitConfig) -> int:
@@ -141,14 +168,29 @@ def run(args: FitConfig) -> int:
     out = Path(args.out)
     if not args.json:
         console.print(plan(model, rollouts, args), highlight=False)
-    with Progress(TextColumn("[bold]fit[/] forwards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=console, transient=True, disable=args.json) as progress:
+    with Progress(
+        TextColumn("[bold]fit[/] forwards"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=args.json,
+    ) as progress:
         task = progress.add_task("fit", total=None)
         try:
-            result = fit(model, rollouts, exhaustive=args.exhaustive, screen_tokens=args.screen_tokens,
-                         prune_z=args.prune_z, decide_z=args.decide_z, max_excess=args.max_excess,
-                         progress=lambda n: progress.advance(task, n),
-                         on_total=lambda total: progress.update(task, total=total))
+            result = fit(
+                model,
+                rollouts,
+                exhaustive=args.exhaustive,
+                screen_tokens=args.screen_tokens,
+                prune_z=args.prune_z,
+                decide_z=args.decide_z,
+                max_excess=args.max_excess,
+                progress=lambda n: progress.advance(task, n),
+                on_total=lambda total: progress.update(task, total=total),
+            )
         except DumpNotExplained as exc:
             progress.stop()
             if args.json:
@@ -166,6 +208,8 @@ def run(args: FitConfig) -> int:
         return 0
     for renderable in report.render(result, top=args.top):
         console.print(renderable, highlight=False)
-    console.print(f"profile: {out / 'profile.json'}  (roundalign.apply(model, Profile.load(...)), or pass the path "
-                  f"to any --*-profile option); report: {out / 'report.json'}")
+    console.print(
+        f"profile: {out / 'profile.json'}  (roundalign.apply(model, Profile.load(...)), or pass the path "
+        f"to any --*-profile option); report: {out / 'report.json'}"
+    )
     return 0

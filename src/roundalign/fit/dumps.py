@@ -29,8 +29,16 @@ from roundalign.rollouts import Rollout, write_engine_logprobs
 MODES = ("prefill", "decode")
 
 
-def reference_dump(profile, *, model=None, mode: str = "prefill", backend: str = "kernels", tokens: int = 2000,
-                   max_tokens: int = 125, seed: int = 0) -> list[Rollout]:
+def reference_dump(
+    profile,
+    *,
+    model=None,
+    mode: str = "prefill",
+    backend: str = "kernels",
+    tokens: int = 2000,
+    max_tokens: int = 125,
+    seed: int = 0,
+) -> list[Rollout]:
     """Completions totalling at least ``tokens`` tokens, scored by the reference engine under ``profile``."""
     from roundalign import models
     from roundalign.engine import Engine, SamplingParams
@@ -47,16 +55,21 @@ def reference_dump(profile, *, model=None, mode: str = "prefill", backend: str =
     done = Engine(model, "hf").generate(default_prompts(n, seed), params)
     scorer = Engine(model, profile, backend=backend)
     logprobs = scorer.score([c.prompt_token_ids for c in done], [c.token_ids for c in done], mode=mode)
-    return [Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist())
-            for c, lp in zip(done, logprobs, strict=True)]
+    return [
+        Rollout(list(c.prompt_token_ids), list(c.token_ids), lp.tolist()) for c, lp in zip(done, logprobs, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m roundalign.fit.dumps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="the engine's profile: a built-in name or a .json file")
     parser.add_argument("--mode", choices=MODES, default="prefill")
-    parser.add_argument("--backend", choices=BACKENDS, default="kernels",
-                        help="kernels: per-op formulas; inductor: vLLM's forward_native code compiled (vllm only)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="kernels",
+        help="kernels: per-op formulas; inductor: vLLM's forward_native code compiled (vllm only)",
+    )
     parser.add_argument("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
     parser.add_argument("--tokens", type=int, default=2000, help="completion tokens in all (default 2000)")
     parser.add_argument("--max-tokens", type=int, default=125, help="tokens per completion (default 125)")
@@ -64,14 +77,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, metavar="FILE")
     args = parser.parse_args(argv)
     try:
-        dump = reference_dump(args.profile, model=args.model, mode=args.mode, backend=args.backend,
-                              tokens=args.tokens, max_tokens=args.max_tokens, seed=args.seed)
+        dump = reference_dump(
+            args.profile,
+            model=args.model,
+            mode=args.mode,
+            backend=args.backend,
+            tokens=args.tokens,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     write_engine_logprobs(Path(args.out), dump)
-    print(f"{args.out}: {len(dump)} completions, {sum(len(r.token_ids) for r in dump)} tokens, profile "
-          f"{args.profile}, {args.mode}, backend {args.backend}")
+    print(
+        f"{args.out}: {len(dump)} completions, {sum(len(r.token_ids) for r in dump)} tokens, profile "
+        f"{args.profile}, {args.mode}, backend {args.backend}"
+    )
     return 0
 
 

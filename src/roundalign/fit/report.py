@@ -32,21 +32,23 @@ def as_dict(result: FitResult, top: int = 10) -> dict:
     regions = {r: dict(d) for r, d in result.regions.items()}
     for region, why in result.space.idle.items():
         regions[region] = {"rule": None, "status": "not exercised", "why": why}
-    return jsonable({
-        "profile": result.profile.to_dict(),
-        "named_matches": result.named_matches,
-        "rank_by": result.rank_by,
-        "model_type": result.space.model_type,
-        "head_dim": result.space.head_dim,
-        "regions": regions,
-        "best": row(result.best),
-        "equivalents": [c.as_dict() for c in result.equivalents],
-        "margin": result.margin,
-        "ranking": [row(s) for s in result.ranking[:top]],
-        "pruned": result.pruned,
-        "excess": result.excess,
-        "stats": result.stats,
-    })
+    return jsonable(
+        {
+            "profile": result.profile.to_dict(),
+            "named_matches": result.named_matches,
+            "rank_by": result.rank_by,
+            "model_type": result.space.model_type,
+            "head_dim": result.space.head_dim,
+            "regions": regions,
+            "best": row(result.best),
+            "equivalents": [c.as_dict() for c in result.equivalents],
+            "margin": result.margin,
+            "ranking": [row(s) for s in result.ranking[:top]],
+            "pruned": result.pruned,
+            "excess": result.excess,
+            "stats": result.stats,
+        }
+    )
 
 
 def _fmt(x) -> str:
@@ -68,12 +70,18 @@ def render(result: FitResult, top: int = 10) -> list:
         style = STATUS_STYLE[d["status"]]
         verdict.add_row(region, d["rule"], f"[{style}]{d['status']}[/]", d["why"])
     for region, why in result.space.idle.items():
-        verdict.add_row(region, f"({getattr(result.profile, region)})", "[dim]not exercised[/]",
-                        f"{why}; filled from the nearest built-in profile")
+        verdict.add_row(
+            region,
+            f"({getattr(result.profile, region)})",
+            "[dim]not exercised[/]",
+            f"{why}; filled from the nearest built-in profile",
+        )
     out.append(verdict)
 
-    ranking = Table(title=f"leading candidates on {result.stats['tokens']} tokens (ranked by {result.rank_by})",
-                    title_justify="left")
+    ranking = Table(
+        title=f"leading candidates on {result.stats['tokens']} tokens (ranked by {result.rank_by})",
+        title_justify="left",
+    )
     ranking.add_column("#", justify="right")
     for region in result.space.regions:
         ranking.add_column(region)
@@ -86,44 +94,66 @@ def render(result: FitResult, top: int = 10) -> list:
     ranking.add_column("built-in")
     for i, s in enumerate(result.ranking[:top], 1):
         c = s.candidate
-        cells = [short(r) if r == best.rule(g) else f"[bold]{short(r)}[/]" for g, r in zip(c.regions, c.rules,
-                                                                                            strict=True)]
+        cells = [
+            short(r) if r == best.rule(g) else f"[bold]{short(r)}[/]" for g, r in zip(c.regions, c.rules, strict=True)
+        ]
         ranking.add_row(str(i), *cells, *(_fmt(s.metrics[k]) for k in KEYS), ", ".join(builtin.get(c, [])))
     out.append(ranking)
 
     m = result.margin
     lines = []
     if result.named_matches:
-        lines.append(f"best: bitwise identical on this dump to the built-in profile(s) "
-                     f"{', '.join(result.named_matches)}")
+        lines.append(
+            f"best: bitwise identical on this dump to the built-in profile(s) {', '.join(result.named_matches)}"
+        )
     else:
         lines.append("best: no built-in profile gives these log-probs")
     if m.get("runner_up"):
-        lines.append(f"runner-up ({m['runner_up']}): {m['bitwise_equal_frac_gap'] * 100:+.2f} points bitwise-equal, "
-                     f"k3_kl x{m['k3_kl_ratio']:.3g}; best closer on {m['tokens_closer_with_best']} tokens, runner-up "
-                     f"on {m['tokens_closer_with_runner_up']} (z {m['z']:.1f}"
-                     + (")" if m["decided"] else ": not decided by this dump; more tokens or a prefill "
-                        "dump would decide, docs/fit.md)"))
+        lines.append(
+            f"runner-up ({m['runner_up']}): {m['bitwise_equal_frac_gap'] * 100:+.2f} points bitwise-equal, "
+            f"k3_kl x{m['k3_kl_ratio']:.3g}; best closer on {m['tokens_closer_with_best']} tokens, runner-up "
+            f"on {m['tokens_closer_with_runner_up']} (z {m['z']:.1f}"
+            + (
+                ")"
+                if m["decided"]
+                else ": not decided by this dump; more tokens or a prefill dump would decide, docs/fit.md)"
+            )
+        )
     else:
         lines.append("runner-up: none (every candidate scored gives the best's log-probs)")
     dropped = [d for d in result.pruned if d["dropped"]]
     st = result.stats
-    pruning = (f"; screened on {st['screen_tokens']} tokens, dropped {len(dropped)} rule(s), {st['survivors']} "
-               "scored on the rest (the runner-up included)") if st["screen_tokens"] else "; exhaustive"
-    lines.append(f"searched {st['candidates']} candidates, {st['forwards']} forwards in {st['seconds']:.1f} s "
-                 f"({st['seconds_per_forward'] * 1e3:.1f} ms each){pruning}")
+    pruning = (
+        (
+            f"; screened on {st['screen_tokens']} tokens, dropped {len(dropped)} rule(s), {st['survivors']} "
+            "scored on the rest (the runner-up included)"
+        )
+        if st["screen_tokens"]
+        else "; exhaustive"
+    )
+    lines.append(
+        f"searched {st['candidates']} candidates, {st['forwards']} forwards in {st['seconds']:.1f} s "
+        f"({st['seconds_per_forward'] * 1e3:.1f} ms each){pruning}"
+    )
     e = result.excess
-    kernels = ("" if e["kernel_scale"] is None else
-               f" and the kernel scale {e['kernel_scale']:.3g} ({st['model_check_decode_forwards']} decode forwards)")
-    lines.append(f"model check: dump {e['distance']:.3g} from the best ({e['statistic']} over {e['tokens']} tokens), "
-                 f"{e['excess']:.2g}x the larger of the rounding scale {e['rounding_scale']:.3g}{kernels} "
-                 f"(limit {e['max_excess']:g}x)")
+    kernels = (
+        ""
+        if e["kernel_scale"] is None
+        else f" and the kernel scale {e['kernel_scale']:.3g} ({st['model_check_decode_forwards']} decode forwards)"
+    )
+    lines.append(
+        f"model check: dump {e['distance']:.3g} from the best ({e['statistic']} over {e['tokens']} tokens), "
+        f"{e['excess']:.2g}x the larger of the rounding scale {e['rounding_scale']:.3g}{kernels} "
+        f"(limit {e['max_excess']:g}x)"
+    )
     out.append("\n".join(lines))
     return out
 
 
 def render_not_explained(exc: DumpNotExplained) -> str:
     ev = exc.evidence
-    return (f"closest candidate: {ev['closest']}\n"
-            f"  bitwise-equal {ev['metrics'][KEYS[0]]:.3g}, k3_kl {ev['metrics'][KEYS[1]]:.3g}, "
-            f"RMS log-ratio {ev['metrics'][KEYS[2]]:.3g} over {ev['tokens']} tokens")
+    return (
+        f"closest candidate: {ev['closest']}\n"
+        f"  bitwise-equal {ev['metrics'][KEYS[0]]:.3g}, k3_kl {ev['metrics'][KEYS[1]]:.3g}, "
+        f"RMS log-ratio {ev['metrics'][KEYS[2]]:.3g} over {ev['tokens']} tokens"
+    )

@@ -96,8 +96,9 @@ class FitResult:
 class _Scorer:
     """Scores candidates on sequences not scored yet, counting forwards (the search's unit of time)."""
 
-    def __init__(self, trainer: TrainerSide, space: Space, rollouts: list[Rollout],
-                 progress: Callable[[int], None] | None):
+    def __init__(
+        self, trainer: TrainerSide, space: Space, rollouts: list[Rollout], progress: Callable[[int], None] | None
+    ):
         self.trainer, self.space, self.rollouts = trainer, space, rollouts
         self.progress = progress or (lambda n: None)
         self.forwards = 0
@@ -149,9 +150,15 @@ def _spread(a: torch.Tensor, b: torch.Tensor) -> float:
 def _excess(distance: float, rounding: float, kernels: float | None, max_excess: float, tokens: int) -> dict:
     scale = max(rounding, kernels or 0.0)
     ratio = distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
-    return {"statistic": f"p{CHECK_QUANTILE * 100:.0f} |log-ratio|", "distance": distance,
-            "rounding_scale": rounding, "kernel_scale": kernels, "excess": ratio, "max_excess": max_excess,
-            "tokens": tokens}
+    return {
+        "statistic": f"p{CHECK_QUANTILE * 100:.0f} |log-ratio|",
+        "distance": distance,
+        "rounding_scale": rounding,
+        "kernel_scale": kernels,
+        "excess": ratio,
+        "max_excess": max_excess,
+        "tokens": tokens,
+    }
 
 
 def screen_prefix(rollouts: list[Rollout], screen_tokens: int) -> tuple[list[int], int]:
@@ -165,8 +172,9 @@ def screen_prefix(rollouts: list[Rollout], screen_tokens: int) -> tuple[list[int
     return idxs, count
 
 
-def _model_check(scorer: _Scorer, entries: list[Scored], idxs: list[int], data: torch.Tensor,
-                 max_excess: float) -> dict:
+def _model_check(
+    scorer: _Scorer, entries: list[Scored], idxs: list[int], data: torch.Tensor, max_excess: float
+) -> dict:
     """How far the dump is from the best of the sorted ``entries``, in units of what rounding rules (and, if those
     do not explain it, kernels) do to the same tokens; raises ``DumpNotExplained`` above ``max_excess``.
 
@@ -193,7 +201,8 @@ def _model_check(scorer: _Scorer, entries: list[Scored], idxs: list[int], data: 
         "weights, same revision), that the dump holds raw log-probs (vLLM logprobs_mode='raw_logprobs', no "
         "temperature or penalties applied), and that the prompts were tokenized with this model's tokenizer. If "
         "all of that is right and the engine's kernels simply differ more, raise --max-excess.",
-        {**excess, "closest": best.candidate.label(), "metrics": best.metrics})
+        {**excess, "closest": best.candidate.label(), "metrics": best.metrics},
+    )
 
 
 def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, prune_z: float) -> tuple[set, list[dict]]:
@@ -209,18 +218,34 @@ def _prune(space: Space, entries: list[Scored], best: Scored, idxs, data, prune_
                 continue
             seen.add(option)
             wins, losses, z = sign_test(ref, e.cat(idxs), data)
-            decision = {"region": region, "rule": option, "kept_rule": winner, "best_with_rule": e.candidate.label(),
-                        "tokens_closer_with_kept": wins, "tokens_closer_with_rule": losses, "z": z,
-                        "dropped": z >= prune_z}
+            decision = {
+                "region": region,
+                "rule": option,
+                "kept_rule": winner,
+                "best_with_rule": e.candidate.label(),
+                "tokens_closer_with_kept": wins,
+                "tokens_closer_with_rule": losses,
+                "z": z,
+                "dropped": z >= prune_z,
+            }
             decisions.append(decision)
             if decision["dropped"]:
                 dropped.add((region, option))
     return dropped, decisions
 
 
-def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_tokens: int = 512, prune_z: float = 5.0,
-        decide_z: float = 3.0, max_excess: float = MAX_EXCESS, progress: Callable[[int], None] | None = None,
-        on_total: Callable[[int], None] | None = None) -> FitResult:
+def fit(
+    model,
+    rollouts: list[Rollout],
+    *,
+    exhaustive: bool = False,
+    screen_tokens: int = 512,
+    prune_z: float = 5.0,
+    decide_z: float = 3.0,
+    max_excess: float = MAX_EXCESS,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> FitResult:
     """Fit a profile to ``rollouts`` (each with the engine's ``logprobs``) on an unpatched bf16 HF ``model``.
 
     ``progress(n)`` is called after every n forwards, ``on_total(total)`` whenever the planned number of forwards
@@ -260,8 +285,7 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     survivors = entries
     if screening:
         dropped, pruned = _prune(space, entries, entries[0], first, first_data, prune_z)
-        survivors = [e for e in entries
-                     if not any((r, e.candidate.rule(r)) in dropped for r in space.regions)]
+        survivors = [e for e in entries if not any((r, e.candidate.rule(r)) in dropped for r in space.regions)]
         # The margin is reported on the whole dump: the best dropped candidate that differs from the best on the
         # screen is scored on the rest too, as the runner-up when every survivor is identical to the best.
         ref = entries[0].cat(first)
@@ -284,10 +308,29 @@ def fit(model, rollouts: list[Rollout], *, exhaustive: bool = False, screen_toke
     margin_ = margin(best, runner_up, everything, data_all, decide_z)
     regions = regions_verdict(space, survivors, equivalents, everything, data_all, pruned, decide_z)
     named_matches = [n for n, c in space.named().items() if c in equivalents]
-    stats = {"tokens": n_tokens, "sequences": len(rollouts), "candidates": len(entries),
-             "screen_tokens": count if screening else 0, "survivors": len(survivors), "forwards": scorer.forwards,
-             "model_check_decode_forwards": scorer.decode_forwards,
-             "seconds": seconds, "seconds_per_forward": seconds / max(scorer.forwards, 1)}
+    stats = {
+        "tokens": n_tokens,
+        "sequences": len(rollouts),
+        "candidates": len(entries),
+        "screen_tokens": count if screening else 0,
+        "survivors": len(survivors),
+        "forwards": scorer.forwards,
+        "model_check_decode_forwards": scorer.decode_forwards,
+        "seconds": seconds,
+        "seconds_per_forward": seconds / max(scorer.forwards, 1),
+    }
     profile = fitted_profile(space, best.candidate, named_matches, regions, stats)
-    return FitResult(space, rank_by, survivors, equivalents, runner_up, margin_, regions, named_matches, pruned,
-                     excess, profile, stats)
+    return FitResult(
+        space,
+        rank_by,
+        survivors,
+        equivalents,
+        runner_up,
+        margin_,
+        regions,
+        named_matches,
+        pruned,
+        excess,
+        profile,
+        stats,
+    )

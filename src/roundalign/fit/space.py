@@ -106,8 +106,10 @@ class Space:
 
     def candidates(self) -> list[Candidate]:
         """Every combination, in a fixed order (the first region varies slowest)."""
-        return [Candidate(self.regions, tuple(map(str, combo)))
-                for combo in itertools.product(*(RULES[r] for r in self.regions))]
+        return [
+            Candidate(self.regions, tuple(map(str, combo)))
+            for combo in itertools.product(*(RULES[r] for r in self.regions))
+        ]
 
     def size(self) -> int:
         n = 1
@@ -137,6 +139,7 @@ class Space:
 
     def nearest_named(self, candidate: Candidate) -> str:
         """The built-in profile that shares the most rules with ``candidate`` (the first in PROFILES on a tie)."""
+
         def shared(name: str) -> int:
             other = self.key_of(name)
             return sum(a == b for a, b in zip(candidate.rules, other.rules, strict=True))

@@ -51,15 +51,25 @@ def regions_verdict(space: Space, survivors: list, equivalents, idxs, data, prun
             continue
         if alt is None:
             zs = [d["z"] for d in pruned if d["region"] == region and d["dropped"]]
-            out[region] = {"rule": rule, "status": "determined", "z": min(zs) if zs else None,
-                           "why": f"every other rule dropped at screening (z >= {min(zs):.1f})" if zs else ""}
+            out[region] = {
+                "rule": rule,
+                "status": "determined",
+                "z": min(zs) if zs else None,
+                "why": f"every other rule dropped at screening (z >= {min(zs):.1f})" if zs else "",
+            }
             continue
         wins, losses, z = sign_test(ref, alt.cat(idxs), data)
         status = "determined" if z >= decide_z else "unclear"
-        out[region] = {"rule": rule, "status": status, "z": z, "vs": alt.candidate.rule(region),
-                       "tokens_closer_with_best": wins, "tokens_closer_with_other": losses,
-                       "why": f"{rule} vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} "
-                              f"(z {z:.1f}{'' if status == 'determined' else f' < {decide_z:g}'})"}
+        out[region] = {
+            "rule": rule,
+            "status": status,
+            "z": z,
+            "vs": alt.candidate.rule(region),
+            "tokens_closer_with_best": wins,
+            "tokens_closer_with_other": losses,
+            "why": f"{rule} vs {alt.candidate.rule(region)}: closer on {wins} tokens, farther on {losses} "
+            f"(z {z:.1f}{'' if status == 'determined' else f' < {decide_z:g}'})",
+        }
     return out
 
 
@@ -68,10 +78,15 @@ def margin(best, runner_up, idxs, data: torch.Tensor, decide_z: float) -> dict:
         return {"runner_up": None}
     wins, losses, z = sign_test(best.cat(idxs), runner_up.cat(idxs), data)
     b, r = best.metrics, runner_up.metrics
-    return {"runner_up": runner_up.candidate.label(), "decided": z >= decide_z,
-            "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
-            "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
-            "tokens_closer_with_best": wins, "tokens_closer_with_runner_up": losses, "z": z}
+    return {
+        "runner_up": runner_up.candidate.label(),
+        "decided": z >= decide_z,
+        "bitwise_equal_frac_gap": b[KEYS[0]] - r[KEYS[0]],
+        "k3_kl_ratio": r[KEYS[1]] / b[KEYS[1]] if b[KEYS[1]] > 0 else math.inf,
+        "tokens_closer_with_best": wins,
+        "tokens_closer_with_runner_up": losses,
+        "z": z,
+    }
 
 
 def fitted_profile(space: Space, best: Candidate, named_matches, regions: dict, stats):
@@ -83,11 +98,17 @@ def fitted_profile(space: Space, best: Candidate, named_matches, regions: dict, 
     def listed(status: str) -> str:
         return ", ".join(r for r, d in regions.items() if d["status"] == status) or "none"
 
-    source = (f"roundalign fit on {stats['tokens']} tokens ({stats['sequences']} sequences), model_type "
-              f"{space.model_type}, head_dim {space.head_dim} (rope fitted for this head_dim only). Determined: "
-              f"{listed('determined')}; identical on the dump to other rules: {listed('identical')}; unclear: "
-              f"{listed('unclear')}; not exercised, filled from {fill}: {', '.join(space.idle) or 'none'}")
-    engines = ("fit: bitwise identical on the dump to " + ", ".join(named_matches)) if named_matches else \
-        f"fit: no built-in profile matches; nearest {fill}"
-    return space.profile(chosen, name=f"fit-{named_matches[0]}" if named_matches else "fit", fill=fill,
-                         engines=engines, source=source)
+    source = (
+        f"roundalign fit on {stats['tokens']} tokens ({stats['sequences']} sequences), model_type "
+        f"{space.model_type}, head_dim {space.head_dim} (rope fitted for this head_dim only). Determined: "
+        f"{listed('determined')}; identical on the dump to other rules: {listed('identical')}; unclear: "
+        f"{listed('unclear')}; not exercised, filled from {fill}: {', '.join(space.idle) or 'none'}"
+    )
+    engines = (
+        ("fit: bitwise identical on the dump to " + ", ".join(named_matches))
+        if named_matches
+        else f"fit: no built-in profile matches; nearest {fill}"
+    )
+    return space.profile(
+        chosen, name=f"fit-{named_matches[0]}" if named_matches else "fit", fill=fill, engines=engines, source=source
+    )

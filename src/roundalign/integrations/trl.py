@@ -92,18 +92,31 @@ class EngineRolloutFunc:
         lag_window: the tracker's lag window (its memory is ``lag_window x 65536`` fp32 values).
     """
 
-    def __init__(self, engine_profile: str | Profile = "vllm", *, backend: str = "kernels", sync: str = "rne",
-                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, attribution_every: int = 0,
-                 attribution_base: str | Profile = "hf", prefill_check: bool = False, track_updates: bool = True,
-                 lag_window: int = 256) -> None:
+    def __init__(
+        self,
+        engine_profile: str | Profile = "vllm",
+        *,
+        backend: str = "kernels",
+        sync: str = "rne",
+        seed: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        attribution_every: int = 0,
+        attribution_base: str | Profile = "hf",
+        prefill_check: bool = False,
+        track_updates: bool = True,
+        lag_window: int = 256,
+    ) -> None:
         self.engine_profile = get_profile(engine_profile)
         self.attribution_base = get_profile(attribution_base)
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if sync not in MODES:
             raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(MODES)}")
-        for name, value, least in (("seed", seed, 0), ("attribution_every", attribution_every, 0),
-                                   ("lag_window", lag_window, 1)):
+        for name, value, least in (
+            ("seed", seed, 0),
+            ("attribution_every", attribution_every, 0),
+            ("lag_window", lag_window, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if dtype not in LOW_PRECISION:
@@ -150,8 +163,12 @@ class EngineRolloutFunc:
         trainer.use_vllm = True
         trainer.vllm_generation = _EngineGeneration(self)
         trainer._last_loaded_step = trainer.state.global_step
-        self.metrics = trl_metrics.MismatchLogger(self.engine_profile, self.attribution_every, self.attribution_base,
-                                                  self._prefill_logps if self.prefill_check else None)
+        self.metrics = trl_metrics.MismatchLogger(
+            self.engine_profile,
+            self.attribution_every,
+            self.attribution_base,
+            self._prefill_logps if self.prefill_check else None,
+        )
         self.metrics.install(trainer)
         trainer.add_callback(trl_metrics.RoundalignCallback(self))
         self.sync()
@@ -162,15 +179,20 @@ class EngineRolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> dict:
         if self.trainer is not trainer:
-            raise RuntimeError("call rollout.attach(trainer) right after building the GRPOTrainer, before train(): "
-                               "it turns on TRL's IS correction for the engine's log-probs and the weight sync")
+            raise RuntimeError(
+                "call rollout.attach(trainer) right after building the GRPOTrainer, before train(): "
+                "it turns on TRL's IS correction for the engine's log-probs and the weight sync"
+            )
         prompt_ids, images, _ = trainer._tokenize_prompts(prompts)  # TRL's own chat template and tokenization
         if images is not None:
             raise ValueError("EngineRolloutFunc samples text only; this batch has images (a vision-language model)")
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         params = SamplingParams(
-            temperature=float(trainer.temperature), top_p=float(trainer.top_p), top_k=int(trainer.top_k or 0),
-            max_tokens=int(trainer.max_completion_length), stop_token_ids=tuple(trainer.eos_token_ids),
+            temperature=float(trainer.temperature),
+            top_p=float(trainer.top_p),
+            top_k=int(trainer.top_k or 0),
+            max_tokens=int(trainer.max_completion_length),
+            stop_token_ids=tuple(trainer.eos_token_ids),
             logprobs_mode="processed",  # vLLM's processed_logprobs, what TRL asks its vLLM for
             seed=_stream_seed(self.seed, trainer.accelerator.process_index, self._calls),
         )
@@ -187,8 +209,9 @@ class EngineRolloutFunc:
     def _prefill_logps(self, output: dict, mode: str) -> torch.Tensor:
         """The engine's prefill re-score of the latest rollout at TRL's temperature, (B, T) as TRL pads it."""
         r = self.last_rollout
-        lps = self.engine.score(r["prompt_ids"], r["completion_ids"], mode="prefill",
-                                temperature=float(self.trainer.temperature))
+        lps = self.engine.score(
+            r["prompt_ids"], r["completion_ids"], mode="prefill", temperature=float(self.trainer.temperature)
+        )
         out = torch.zeros(output["completion_mask"].shape, dtype=torch.float32)
         for row, lp in zip(out, lps, strict=True):
             row[: len(lp)] = lp
@@ -219,8 +242,13 @@ class EngineRolloutFunc:
             trl_metrics.log_sync(self.trainer, self.sync())
 
 
-def log_mismatch(trainer, engine_profile: str | Profile = "vllm", *, attribution_every: int = 0,
-                 attribution_base: str | Profile = "hf") -> trl_metrics.MismatchLogger:
+def log_mismatch(
+    trainer,
+    engine_profile: str | Profile = "vllm",
+    *,
+    attribution_every: int = 0,
+    attribution_base: str | Profile = "hf",
+) -> trl_metrics.MismatchLogger:
     """Log the mismatch metrics (``rollout_corr/*``, raw IS ratios, and every ``attribution_every`` steps the
     per-region attribution) on a trainer whose sampler is not an ``EngineRolloutFunc``: TRL's own vLLM
     (``use_vllm=True``), whose log-probs TRL hands back as ``sampling_per_token_logps``. ``engine_profile`` names

@@ -84,8 +84,7 @@ class MismatchLogger:
     completion tokens as a (B, T) tensor like TRL's; it adds ``prefill/*`` and becomes the attribution's reference.
     """
 
-    def __init__(self, engine_profile, attribution_every: int = 0, attribution_base="hf",
-                 prefill_scorer=None) -> None:
+    def __init__(self, engine_profile, attribution_every: int = 0, attribution_base="hf", prefill_scorer=None) -> None:
         self.engine_profile, self.attribution_base = engine_profile, attribution_base
         self.attribution_every = attribution_every
         self.prefill_scorer = prefill_scorer
@@ -158,11 +157,17 @@ class MismatchLogger:
             roundalign.revert(policy)
             if original is not None:
                 roundalign.apply(policy, original, allow_non_bf16=True)
-        entry = attribution_entry(base=roundalign.get_profile(self.attribution_base),
-                                  engine=roundalign.get_profile(self.engine_profile), backend="trl",
-                                  reference=reference, base_metrics=base[reference],
-                                  target_metrics=target[reference], switches=switches, switch_metrics=switched,
-                                  alone_metrics=alone)
+        entry = attribution_entry(
+            base=roundalign.get_profile(self.attribution_base),
+            engine=roundalign.get_profile(self.engine_profile),
+            backend="trl",
+            reference=reference,
+            base_metrics=base[reference],
+            target_metrics=target[reference],
+            switches=switches,
+            switch_metrics=switched,
+            alone_metrics=alone,
+        )
         out = {}
         for side, metrics in (("base", base), ("target", target)):
             for name, m in metrics.items():

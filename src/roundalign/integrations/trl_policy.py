@@ -35,8 +35,10 @@ def check_not_sharded(model, what: str, fix: str | None = None) -> None:
     sharded = any(isinstance(m, tuple(fsdp_types)) for m in model.modules()) if fsdp_types else False
     sharded = sharded or any(isinstance(p, DTensor) for p in model.parameters())
     if sharded:
-        fix = fix or ("roundalign patches module classes and must run before wrapping: call patch_policy(model) "
-                      "before GRPOTrainer(...) and before accelerate or FSDP wraps it")
+        fix = fix or (
+            "roundalign patches module classes and must run before wrapping: call patch_policy(model) "
+            "before GRPOTrainer(...) and before accelerate or FSDP wraps it"
+        )
         raise ValueError(f"the {what} is already wrapped by FSDP (sharded modules or DTensor parameters); {fix}")
 
 
@@ -82,8 +84,10 @@ def check_trainer(trainer) -> None:
     args = trainer.args
     problems = []
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        problems.append("FSDP / DeepSpeed: each rank's engine needs the full weights; EngineRolloutFunc runs on one "
-                        "process or under DDP")
+        problems.append(
+            "FSDP / DeepSpeed: each rank's engine needs the full weights; EngineRolloutFunc runs on one "
+            "process or under DDP"
+        )
     if args.use_vllm:
         problems.append("use_vllm=True: the engine replaces vLLM as the sampler; set use_vllm=False")
     if not trainer.temperature or trainer.temperature <= 0:
@@ -102,9 +106,14 @@ def check_trainer(trainer) -> None:
         problems.append("a vision-language model: the engine serves dense text models (Qwen3, Qwen2, Llama)")
     if hasattr(unwrap_policy(trainer), "peft_config"):
         problems.append("a PEFT model: the engine needs the merged weights; merge the adapter or train fully")
-    if args.loss_type == "vespo" and args.vllm_importance_sampling_correction and \
-            args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
-        problems.append("loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
-                        "(TRL checks this only when use_vllm is set at construction)")
+    if (
+        args.loss_type == "vespo"
+        and args.vllm_importance_sampling_correction
+        and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    ):
+        problems.append(
+            "loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
+            "(TRL checks this only when use_vllm is set at construction)"
+        )
     if problems:
         raise ValueError("EngineRolloutFunc cannot honour these GRPOConfig settings:\n  - " + "\n  - ".join(problems))

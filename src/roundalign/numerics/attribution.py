@@ -39,7 +39,6 @@ KEPT_METRICS = ("mismatch/bitwise_equal_frac", "rollout_corr/k3_kl", "sampling/s
 MIN_GAP = 0.1
 
 
-
 def region_share(base: float, value: float, target: float) -> float | None:
     """Share of the base-to-target gap one region closes: (base - value) / (base - target); None if base == target.
 

@@ -75,8 +75,9 @@ def _compiled(fn: Callable) -> Callable:
     def run(key, *args):
         compiled = cache.get(key)
         if compiled is None:
-            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                     fn.__closure__)
+            own = types.FunctionType(
+                fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+            )
             compiled = cache[key] = torch.compile(own, dynamic=None, options={"emulate_precision_casts": True})
         return compiled(*args)
 
@@ -155,7 +156,7 @@ def define(
     fused_vjp = _compiled(vjp) if compile else None
 
     def backward_impl(*args):
-        grads, ts, consts_ = args[:n_out], args[n_out:n_out + nt], args[n_out + nt:]
+        grads, ts, consts_ = args[:n_out], args[n_out : n_out + nt], args[n_out + nt :]
         if fused_vjp is None:
             got = vjp(grads, ts, consts_)
         elif not rowwise:

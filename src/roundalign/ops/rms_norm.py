@@ -34,8 +34,9 @@ from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 # The same nu(x) as an op Inductor cannot see into, for the compiled variant: Inductor would sum the squares in its
 # own order, and a last-bit change of the variance moves a few outputs across a rounding tie.
-_rstd_op = torch.library.custom_op("roundalign::rms_rstd", _rstd, mutates_args=(),
-                                   schema="(Tensor x32, float eps) -> Tensor")
+_rstd_op = torch.library.custom_op(
+    "roundalign::rms_rstd", _rstd, mutates_args=(), schema="(Tensor x32, float eps) -> Tensor"
+)
 _rstd_op.register_fake(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 
 
@@ -69,8 +70,9 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 # The backward's sums as an op Inductor cannot see into (it would sum in its own order), for the fused variant.
-_sum_to_op = torch.library.custom_op("roundalign::sum_to", _sum_to, mutates_args=(),
-                                     schema="(Tensor t, SymInt[] size) -> Tensor")
+_sum_to_op = torch.library.custom_op(
+    "roundalign::sum_to", _sum_to, mutates_args=(), schema="(Tensor t, SymInt[] size) -> Tensor"
+)
 _sum_to_op.register_fake(lambda t, size: t.new_empty(size))
 
 
@@ -97,15 +99,41 @@ _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
 _rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward)
 # Fused: Inductor fuses the elementwise work of the forward and of the written-out backward; the variance and the
 # backward's two sums run as opaque ATen ops inside, in ATen's order.
-_rms_norm_compiled_op = define("rms_norm_compiled", _rms_norm_opaque_rstd, ["x", "weight"], _RMS_CONSTS, 1, [0, 1],
-                               compile=True, backward=_rms_norm_backward_opaque_sums, rowwise=True)
+_rms_norm_compiled_op = define(
+    "rms_norm_compiled",
+    _rms_norm_opaque_rstd,
+    ["x", "weight"],
+    _RMS_CONSTS,
+    1,
+    [0, 1],
+    compile=True,
+    backward=_rms_norm_backward_opaque_sums,
+    rowwise=True,
+)
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
-_add_fp32_sum_op = define("add_fp32_sum", _add_fp32_sum, ["a", "h"], [("ScalarType", "out_dtype")], 2, [0, 1],
-                          needed=[], backward=_add_fp32_sum_backward)
-_add_fp32_sum_compiled_op = define("add_fp32_sum_compiled", _add_fp32_sum, ["a", "h"],
-                                   [("ScalarType", "out_dtype")], 2, [0, 1], needed=[], compile=True,
-                                   backward=_add_fp32_sum_backward, rowwise=True)
+_add_fp32_sum_op = define(
+    "add_fp32_sum",
+    _add_fp32_sum,
+    ["a", "h"],
+    [("ScalarType", "out_dtype")],
+    2,
+    [0, 1],
+    needed=[],
+    backward=_add_fp32_sum_backward,
+)
+_add_fp32_sum_compiled_op = define(
+    "add_fp32_sum_compiled",
+    _add_fp32_sum,
+    ["a", "h"],
+    [("ScalarType", "out_dtype")],
+    2,
+    [0, 1],
+    needed=[],
+    compile=True,
+    backward=_add_fp32_sum_backward,
+    rowwise=True,
+)
 
 
 def rms_norm(
@@ -124,8 +152,10 @@ def rms_norm(
     """
     rule = str(rule)
     if rule not in {r.value for r in QKNormRule}:  # RMSNormRule's rules plus fused_into_rope
-        raise ValueError(f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
-                         "or fused_into_rope (q/k norm only)")
+        raise ValueError(
+            f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
+            "or fused_into_rope (q/k norm only)"
+        )
     op = _rms_norm_compiled_op if compiled else _rms_norm_op
     return op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight, x))
 

@@ -26,8 +26,9 @@ def _rotate_half_backward(g: torch.Tensor) -> torch.Tensor:
     return torch.cat((g2, -g1), dim=-1)
 
 
-def _rope_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def _rope_backward(
+    grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype
+) -> torch.Tensor:
     """Autograd's backward of ``_rope`` with respect to ``x``, op for op, without replaying it under
     ``torch.func.vjp``. ``x`` is a shape-and-dtype stand-in (RoPE is linear in it: its values are not saved)."""
     shape = x.shape  # a product's gradient is summed back to x's shape where cos/sin broadcast x
@@ -49,8 +50,17 @@ def _rope_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: 
 # RoPE is linear in x: the backward needs cos and sin only, so x is not saved.
 _ROPE_CONSTS = [("str", "rounding"), ("ScalarType", "out_dtype")]
 _rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2], backward=_rope_backward)
-_rope_compiled_op = define("rope_compiled", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2],
-                           compile=True, backward=_rope_backward)
+_rope_compiled_op = define(
+    "rope_compiled",
+    _rope,
+    ["x", "cos", "sin"],
+    _ROPE_CONSTS,
+    1,
+    [0],
+    needed=[1, 2],
+    compile=True,
+    backward=_rope_backward,
+)
 
 
 def rope(

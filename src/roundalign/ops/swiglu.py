@@ -33,8 +33,17 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, r
 
 _swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], backward=_swiglu_backward)
 # The fused variant compiles the same written-out backward (Inductor's silu_backward is ATen's formula).
-_swiglu_compiled_op = define("swiglu_compiled", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], compile=True,
-                             backward=_swiglu_backward, rowwise=True)
+_swiglu_compiled_op = define(
+    "swiglu_compiled",
+    _swiglu,
+    ["gate", "up"],
+    [("str", "rule")],
+    1,
+    [0, 1],
+    compile=True,
+    backward=_swiglu_backward,
+    rowwise=True,
+)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: SwiGLURule | str, compiled: bool = False) -> torch.Tensor:

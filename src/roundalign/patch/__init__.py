@@ -53,8 +53,14 @@ def _check_dtype(model, allow_non_bf16: bool) -> None:
     )
 
 
-def apply(model, profile: str | Profile = "vllm", *, allow_non_bf16: bool = False, compile_ops: bool = False,
-          **region_overrides):
+def apply(
+    model,
+    profile: str | Profile = "vllm",
+    *,
+    allow_non_bf16: bool = False,
+    compile_ops: bool = False,
+    **region_overrides,
+):
     """Patch ``model`` in place so that its trainer numerics round where ``profile``'s engine does.
 
     Args:

@@ -74,8 +74,14 @@ class AlignedRMSNorm(_Aligned):
     def forward(self, hidden_states):
         _, x = _carried(hidden_states)
         low = low_dtype(self.weight, x)  # the weight's (model's) 16-bit dtype, or autocast's
-        return ops.rms_norm(x, engine_weight(self.weight, low), self.variance_epsilon, self._roundalign_rule, low,
-                            compiled=self._roundalign_compile_ops)
+        return ops.rms_norm(
+            x,
+            engine_weight(self.weight, low),
+            self.variance_epsilon,
+            self._roundalign_rule,
+            low,
+            compiled=self._roundalign_compile_ops,
+        )
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, rule={self._roundalign_rule}"

@@ -49,8 +49,11 @@ FAMILIES: dict[str, Family] = {}
 
 def define_family(model_type: str, namespace: dict, has_qk_norm: bool = False, **hf_classes: type) -> Family:
     """Create ``Aligned<HFClass>`` for each ``role=HFClass`` in the caller's module and register the family."""
-    foreign = [f"{role}={c.__module__}.{c.__name__}" for role, c in hf_classes.items()
-               if not c.__module__.startswith("transformers.")]
+    foreign = [
+        f"{role}={c.__module__}.{c.__name__}"
+        for role, c in hf_classes.items()
+        if not c.__module__.startswith("transformers.")
+    ]
     if foreign:
         # Liger's apply_liger_kernel_to_<family> rebinds the classes in transformers' modeling module; registered
         # now, the family would swap in subclasses of Liger's classes and patch nothing an HF model holds.

@@ -24,30 +24,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     a = parser.add_argument
     a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
-    a("--engine-profile", default="vllm", metavar="NAME",
-      help=f"the engine's rounding profile (default vllm; one of {', '.join(list_profiles())}, or a .json file)")
+    a(
+        "--engine-profile",
+        default="vllm",
+        metavar="NAME",
+        help=f"the engine's rounding profile (default vllm; one of {', '.join(list_profiles())}, or a .json file)",
+    )
     a("--trainer-profiles", metavar="A,B", help="comma-separated trainer profiles (default: hf and the engine profile)")
-    a("--device", default="cpu", metavar="DEV", help="where the trainer's forwards run: cpu (default), cuda, cuda:1, "
-      "...; the reference engine samples on the CPU")
+    a(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where the trainer's forwards run: cpu (default), cuda, cuda:1, "
+        "...; the reference engine samples on the CPU",
+    )
     a("--out", metavar="DIR", default="probe-out", help="where report.json and the plots go (default probe-out)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     g = parser.add_argument_group("a real engine's log-probs, instead of sampling")
-    g.add_argument("--engine-logprobs", metavar="FILE", help="JSONL dumped by a real engine: one {prompt_token_ids, "
-                   "token_ids, logprobs} object per line (docs/real-engines.md); the sampling options do not apply")
+    g.add_argument(
+        "--engine-logprobs",
+        metavar="FILE",
+        help="JSONL dumped by a real engine: one {prompt_token_ids, "
+        "token_ids, logprobs} object per line (docs/real-engines.md); the sampling options do not apply",
+    )
     g = parser.add_argument_group("sampling with the reference engine")
     a = g.add_argument
-    a("--backends", metavar="A,B", help="engine numerics backends: kernels, inductor (default: every backend that "
-      "implements the engine profile; inductor implements vllm only)")
-    a("--prompts", metavar="FILE", help="one prompt per line: text, or a JSON list of token ids "
-      "(default: arithmetic word problems)")
-    a("--num-samples", type=int,
-      help=f"completions to sample; prompts are used round-robin (default {d['num_samples']})")
+    a(
+        "--backends",
+        metavar="A,B",
+        help="engine numerics backends: kernels, inductor (default: every backend that "
+        "implements the engine profile; inductor implements vllm only)",
+    )
+    a(
+        "--prompts",
+        metavar="FILE",
+        help="one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)",
+    )
+    a(
+        "--num-samples",
+        type=int,
+        help=f"completions to sample; prompts are used round-robin (default {d['num_samples']})",
+    )
     a("--max-tokens", type=int, help=f"max completion tokens (default {d['max_tokens']})")
     a("--temperature", type=float, help=f"sampling temperature (default {d['temperature']}; 0 = greedy)")
     a("--top-p", type=float, help=f"nucleus sampling, in (0, 1] (default {d['top_p']})")
     a("--seed", type=int, help=f"sampling seed (default {d['seed']})")
-    a("--layer-sequences", type=int, metavar="N", help="sequences the per-layer and decode-shape experiments run on "
-      f"(default {d['layer_sequences']}; 0 skips them)")
+    a(
+        "--layer-sequences",
+        type=int,
+        metavar="N",
+        help="sequences the per-layer and decode-shape experiments run on "
+        f"(default {d['layer_sequences']}; 0 skips them)",
+    )
 
 
 def read_prompts(path: str | Path) -> list[str] | list[list[int]]:
@@ -120,8 +148,12 @@ def run(cfg) -> int:
     console = make_console()
     out = Path(cfg.out)
     with Progress(
-        TextColumn("[bold]probe[/]"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-        console=console, transient=True,
+        TextColumn("[bold]probe[/]"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
     ) as progress:
         task = progress.add_task("starting", total=plan(cfg))
         started = [False]

@@ -37,8 +37,14 @@ from roundalign.trainer import TrainerSide, check_device, load_trainer_model
 
 DECODE_SHAPE_VARIANTS = ((), ("attention",), ("matmul",), ("attention", "matmul"))
 # What sampling takes when the user does not say; an import (--engine-logprobs) takes none of it.
-SAMPLING_DEFAULTS = {"num_samples": 16, "max_tokens": 48, "temperature": 1.0, "top_p": 1.0, "seed": 0,
-                     "layer_sequences": 4}
+SAMPLING_DEFAULTS = {
+    "num_samples": 16,
+    "max_tokens": 48,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "seed": 0,
+    "layer_sequences": 4,
+}
 _SAMPLING_ONLY = (*SAMPLING_DEFAULTS, "prompts", "backends")
 
 
@@ -74,13 +80,16 @@ class ProbeConfig:
         engine = get_profile(self.engine_profile)  # unknown name: UserError listing the profiles
         given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or ("hf", engine)]
         profiles = {p.name: p for p in given}
-        fields = dict(self.__dict__, trainer_profiles=tuple(profiles), profiles=profiles,
-                      device=str(check_device(self.device)))
+        fields = dict(
+            self.__dict__, trainer_profiles=tuple(profiles), profiles=profiles, device=str(check_device(self.device))
+        )
         if self.engine_logprobs is not None:
             given = [flag(k) for k in _SAMPLING_ONLY if getattr(self, k) is not None]
             if given:
-                raise UserError(f"--engine-logprobs replaces sampling with the dump's tokens and log-probs, so "
-                                f"{', '.join(given)} would be ignored; drop {'them' if len(given) > 1 else 'it'}")
+                raise UserError(
+                    f"--engine-logprobs replaces sampling with the dump's tokens and log-probs, so "
+                    f"{', '.join(given)} would be ignored; drop {'them' if len(given) > 1 else 'it'}"
+                )
             return ProbeConfig(**fields)  # no engine internals: no per-layer or decode-shape experiment
         for key, default in SAMPLING_DEFAULTS.items():
             fields[key] = default if fields[key] is None else fields[key]
@@ -142,8 +151,10 @@ def _import(cfg: ProbeConfig, config, tick, notes):
     """Rollouts and the one reference (``jsonl``) from a real engine's dump."""
     tick("reading the engine's log-probs")
     rollouts = read_rollouts(cfg.engine_logprobs, config)
-    notes.append("per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
-                 "available for imported log-probs")
+    notes.append(
+        "per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
+        "available for imported log-probs"
+    )
     return rollouts, {("jsonl", "jsonl"): [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]}
 
 
@@ -159,8 +170,10 @@ def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, 
         engines[b] = Engine(hf_model, profile=engine_profile, backend=b, tokenizer=tokenizer)
     prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
     if len(prompts) > cfg.num_samples:
-        notes.append(f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
-                     f"{cfg.num_samples} prompts only")
+        notes.append(
+            f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
+            f"{cfg.num_samples} prompts only"
+        )
     ids = _tokenize(prompts, tokenizer)
     batch = [ids[i % len(ids)] for i in range(cfg.num_samples)]
     params = SamplingParams(
@@ -185,8 +198,9 @@ def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, 
 def _attribution(cfg, config, trainer, rollouts, refs, train, fp32, engine_profile, tick, notes) -> list[dict]:
     missing = attr.missing_regions(config)
     if missing:
-        notes.append(f"regions this {config.model_type} model does not have, left out of the attribution: "
-                     f"{', '.join(missing)}")
+        notes.append(
+            f"regions this {config.model_type} model does not have, left out of the attribution: {', '.join(missing)}"
+        )
     out = []
     for p in cfg.trainer_profiles:
         base = cfg.profiles[p]

@@ -54,17 +54,21 @@ def list_checkpoints(out: Path) -> list[Path]:
     root = out / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")
-            and (p / "state.pt").is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    done = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp") and (p / "state.pt").is_file()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def load_latest(out: Path) -> tuple[dict, dict, dict]:
     """(master, served, state) of the newest complete checkpoint in ``out``."""
     found = list_checkpoints(out)
     if not found:
-        raise UserError(f"cannot resume: {str(out)!r} holds no checkpoint; runs save one at the end and every "
-                         "--save-every N steps")
+        raise UserError(
+            f"cannot resume: {str(out)!r} holds no checkpoint; runs save one at the end and every --save-every N steps"
+        )
     path = found[-1]
     state = torch.load(path / "state.pt", weights_only=False)
     return load_file(str(path / "master.safetensors")), load_file(str(path / "served.safetensors")), state

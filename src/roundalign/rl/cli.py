@@ -47,30 +47,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--steps", type=int, help=f"training steps (default {d.steps})")
     a("--seed", type=int, help=f"seed for problems, sampling and stochastic export (default {d.seed})")
     a("--save-every", type=int, metavar="N", help="checkpoint every N steps (default 0: only at the end)")
-    a("--eval-every", type=int, metavar="N", help=f"greedy held-out accuracy every N steps (default {d.eval_every}; 0: "
-      "never)")
+    a(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help=f"greedy held-out accuracy every N steps (default {d.eval_every}; 0: never)",
+    )
     a("--eval-problems", type=int, metavar="N", help=f"held-out problems per evaluation (default {d.eval_problems})")
     a("--no-tensorboard", action="store_true", help="do not write TensorBoard events even if tensorboard is installed")
     a("--quiet", action="store_true", help="no progress bar")
     g = parser.add_argument_group("rollouts (the reference engine)")
     a = g.add_argument
-    a("--engine-profile", metavar="NAME",
-      help=f"the engine's rounding profile (default {d.engine_profile}; {profiles})")
+    a(
+        "--engine-profile",
+        metavar="NAME",
+        help=f"the engine's rounding profile (default {d.engine_profile}; {profiles})",
+    )
     a("--engine-backend", choices=ENGINE_BACKENDS, help=f"engine numerics backend (default {d.engine_backend})")
     a("--prompts-per-step", type=int, help=f"problems per step (default {d.prompts_per_step})")
     a("--group-size", type=int, help=f"completions per problem (default {d.group_size})")
     a("--max-tokens", type=int, help=f"max completion tokens (default {d.max_tokens})")
     a("--temperature", type=float, help=f"sampling temperature (default {d.temperature})")
     a("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
-    a("--prefill-check", action="store_true", help="also log the trainer's mismatch against the engine's prefill "
-      "re-score of the same tokens (prefill/*): the rounding-location gap without decode's attention shapes")
+    a(
+        "--prefill-check",
+        action="store_true",
+        help="also log the trainer's mismatch against the engine's prefill "
+        "re-score of the same tokens (prefill/*): the rounding-location gap without decode's attention shapes",
+    )
     a("--level", type=int, choices=(1, 2, 3), help=f"arithmetic level of the training problems (default {d.level})")
     g = parser.add_argument_group("trainer")
     a = g.add_argument
-    a("--trainer-profile", metavar="NAME", help="the trainer's rounding profile: 'engine' (default: round where the "
-      f"engine does), hf (stock), aligned, or any of {profiles}")
-    a("--dtype", choices=DTYPES, help="compute dtype of trainer and engine (default bfloat16; float16 is the "
-      "Precision-RL baseline, with dynamic loss scaling)")
+    a(
+        "--trainer-profile",
+        metavar="NAME",
+        help="the trainer's rounding profile: 'engine' (default: round where the "
+        f"engine does), hf (stock), aligned, or any of {profiles}",
+    )
+    a(
+        "--dtype",
+        choices=DTYPES,
+        help="compute dtype of trainer and engine (default bfloat16; float16 is the "
+        "Precision-RL baseline, with dynamic loss scaling)",
+    )
     a("--loss-type", choices=LOSS_TYPES, help="grpo (PPO-clip, default) or reinforce")
     a("--inner-epochs", type=int, help="passes over each step's rollouts (default 1)")
     a("--clip-eps", type=float, help="PPO clip epsilon (default 0.2)")
@@ -80,16 +99,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--weight-decay", type=float, help=f"decoupled weight decay (default {d.weight_decay:g})")
     a("--betas", type=_betas, metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")
     a("--grad-clip", type=float, help=f"max total gradient norm (default {d.grad_clip:g}; 0: off)")
-    a("--rollout-is", choices=IS_MODES,
-      help="importance-sampling correction between sampler and trainer (default none)")
-    a("--rollout-is-threshold", metavar="U|L_U", help="its bounds in verl's format, e.g. 2.0 or 0.5_2.0 (default "
-      "per mode, docs/train.md)")
+    a(
+        "--rollout-is",
+        choices=IS_MODES,
+        help="importance-sampling correction between sampler and trainer (default none)",
+    )
+    a(
+        "--rollout-is-threshold",
+        metavar="U|L_U",
+        help="its bounds in verl's format, e.g. 2.0 or 0.5_2.0 (default per mode, docs/train.md)",
+    )
     a("--loss-scale", type=float, help="float16: initial dynamic loss scale (default 65536)")
     g = parser.add_argument_group("weight export (Fair Cast)")
     a = g.add_argument
     a("--sync", choices=SYNC_MODES, help="how master weights are rounded for the engine each step (default rne)")
-    a("--loss-on-served", action=argparse.BooleanOptionalAction, help="compute the trainer's forward on the served "
-      "weights (default: on for stochastic and error-feedback)")
+    a(
+        "--loss-on-served",
+        action=argparse.BooleanOptionalAction,
+        help="compute the trainer's forward on the served weights (default: on for stochastic and error-feedback)",
+    )
     a("--lag-window", type=int, help="steps of master history kept to estimate the served copy's lag (default 256)")
     for action in parser._actions:  # no defaults in the namespace: only what the user gave (see the docstring)
         if action.dest != "help":
@@ -123,15 +151,22 @@ class TrainRun:
             raise UserError("--resume DIR continues the run in DIR; drop --out (or give the same directory)")
         path = out / "config.json"
         if not path.is_file():
-            raise UserError(f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
-                            "by roundalign train")
+            raise UserError(
+                f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
+                "by roundalign train"
+            )
         saved = TrainConfig.from_dict(json.loads(path.read_text()))
-        clash = {k: (getattr(saved, k), v) for k, v in self.given.items()
-                 if k not in RESUMABLE_CHANGES and _normal(getattr(saved, k)) != _normal(v)}
+        clash = {
+            k: (getattr(saved, k), v)
+            for k, v in self.given.items()
+            if k not in RESUMABLE_CHANGES and _normal(getattr(saved, k)) != _normal(v)
+        }
         if clash:
             lines = ", ".join(f"{flag(k)} {new!r} (the run has {old!r})" for k, (old, new) in clash.items())
-            raise UserError(f"a resumed run keeps its settings; these options contradict {str(path)!r}: {lines}. "
-                            f"Only {', '.join(flag(c) for c in RESUMABLE_CHANGES)} may change")
+            raise UserError(
+                f"a resumed run keeps its settings; these options contradict {str(path)!r}: {lines}. "
+                f"Only {', '.join(flag(c) for c in RESUMABLE_CHANGES)} may change"
+            )
         config = saved.replace(**{k: v for k, v in self.given.items() if k in RESUMABLE_CHANGES})
         return dataclasses.replace(self, config=config.validate())
 
@@ -156,8 +191,14 @@ def run(run: TrainRun) -> int:
     from roundalign.rl.loop import train
 
     console = make_console()
-    train(run.config, run.run_dir, resume=run.resume is not None, console=console, progress=not run.quiet,
-          tensorboard=run.tensorboard)
+    train(
+        run.config,
+        run.run_dir,
+        resume=run.resume is not None,
+        console=console,
+        progress=not run.quiet,
+        tensorboard=run.tensorboard,
+    )
     if not run.quiet:
         _report(run.run_dir, run.config, console)
     return ExitStatus.OK
@@ -198,7 +239,9 @@ def _report(out: Path, config: TrainConfig, console) -> None:
         if values:
             lines.append(f"  {label:<{_WIDTH}} {format(sum(values) / len(values), spec)}")
     if evals:
-        lines.append(f"  {'held-out accuracy (greedy)':<{_WIDTH}} {evals[0][1]:.3f} at step {evals[0][0]} -> "
-                     f"{evals[-1][1]:.3f} at step {evals[-1][0]}")
+        lines.append(
+            f"  {'held-out accuracy (greedy)':<{_WIDTH}} {evals[0][1]:.3f} at step {evals[0][0]} -> "
+            f"{evals[-1][1]:.3f} at step {evals[-1][0]}"
+        )
     lines.append(f"metrics: {out / 'metrics.jsonl'}; checkpoints: {out / 'checkpoints'} (docs/train.md)")
     console.print("\n".join(lines), markup=False, highlight=False)

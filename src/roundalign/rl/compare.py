@@ -42,14 +42,29 @@ from roundalign.rl.compare_summary import (
     summarize,
 )
 
-__all__ = ["GRID_ALIASES", "Cell", "GridError", "Run", "add_arguments", "load_runs", "parse_grid", "plan", "run",
-           "run_grid", "summarize"]
+__all__ = [
+    "GRID_ALIASES",
+    "Cell",
+    "GridError",
+    "Run",
+    "add_arguments",
+    "load_runs",
+    "parse_grid",
+    "plan",
+    "run",
+    "run_grid",
+    "summarize",
+]
 
 # Train options that are not a run's settings (compare sets --out and --quiet itself), and one that cannot be a
 # grid key because its value holds the comma that separates grid values.
-_NOT_GRID = {"out": "compare gives each cell its own --out", "resume": "compare starts fresh runs",
-             "quiet": "compare runs every cell quietly", "no_tensorboard": "pass it in the fixed train options",
-             "betas": "its value 'b1,b2' holds a comma, which separates grid values; set it in the fixed options"}
+_NOT_GRID = {
+    "out": "compare gives each cell its own --out",
+    "resume": "compare starts fresh runs",
+    "quiet": "compare runs every cell quietly",
+    "no_tensorboard": "pass it in the fixed train options",
+    "betas": "its value 'b1,b2' holds a comma, which separates grid values; set it in the fixed options",
+}
 DEFAULT_COMMAND = (sys.executable, "-m", "roundalign.cli", "train")
 LOG_TAIL = 20  # lines of a failed cell's train.log shown in the report
 
@@ -100,8 +115,7 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
         if name not in options:
             raise UserError(f"unknown grid key {key!r}; valid keys: {valid}")
         if name in grid:
-            raise UserError(f"grid key {key!r} ({name}) is given twice; list all its values in one item: "
-                             f"{key}=A,B")
+            raise UserError(f"grid key {key!r} ({name}) is given twice; list all its values in one item: {key}=A,B")
         vals = [v.strip() for v in values.split(",")]
         if not values.strip() or any(not v for v in vals):
             raise UserError(f"grid item {item!r} has an empty value; write {key}=A,B with no empty entries")
@@ -145,7 +159,6 @@ class Cell:
         return argv
 
 
-
 def _boolean(value: str, name: str) -> bool:
     v = value.lower()
     if v in ("true", "yes", "on", "1"):
@@ -186,15 +199,19 @@ def plan(grid: dict[str, list[str]], fixed_args: list[str]) -> list[Cell]:
             raise UserError(f"drop --{name.replace('_', '-')} from the fixed train options: {_NOT_GRID[name]}")
     clash = sorted(set(grid) & set(fixed))
     if clash:
-        raise UserError(f"{', '.join('--' + c.replace('_', '-') for c in clash)} is both a grid key and a fixed "
-                         "train option; keep it in one place")
+        raise UserError(
+            f"{', '.join('--' + c.replace('_', '-') for c in clash)} is both a grid key and a fixed "
+            "train option; keep it in one place"
+        )
     keys = [k for k in grid if k != "seed"] + (["seed"] if "seed" in grid else [])
     cells = [_cell(list(zip(keys, values, strict=True))) for values in itertools.product(*(grid[k] for k in keys))]
     seen: dict[str, Cell] = {}
     for cell in cells:
         if cell.name in seen:
-            raise UserError(f"grid cells {seen[cell.name].items} and {cell.items} get the same directory name "
-                             f"{cell.name!r}; use values that differ in letters or digits")
+            raise UserError(
+                f"grid cells {seen[cell.name].items} and {cell.items} get the same directory name "
+                f"{cell.name!r}; use values that differ in letters or digits"
+            )
         seen[cell.name] = cell
         train_config(cell, fixed_args)
     return cells
@@ -250,8 +267,10 @@ def _decide(cell: Cell, out: Path, fixed_args: list[str], force: bool) -> str:
         return "run"
     differ = sorted(k for k in want if k != "extra" and saved.get(k, want[k]) != want[k])
     if differ:
-        raise UserError(f"{run_dir} holds a finished run with other settings ({', '.join(differ)}); use another "
-                         "--out, or --force to replace it")
+        raise UserError(
+            f"{run_dir} holds a finished run with other settings ({', '.join(differ)}); use another "
+            "--out, or --force to replace it"
+        )
     return "skip"
 
 
@@ -271,8 +290,15 @@ def _say(console, text: str, markup: bool = True) -> None:
         print(re.sub(r"\[/?[a-z ]+\]", "", text) if markup else text)
 
 
-def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1, command: list[str] | None = None,
-             console=None, force: bool = False) -> list[Path]:
+def run_grid(
+    cells: list[Cell],
+    out: Path,
+    fixed_args: list[str],
+    jobs: int = 1,
+    command: list[str] | None = None,
+    console=None,
+    force: bool = False,
+) -> list[Path]:
     """Run every cell (``jobs`` at a time) into ``out/<cell>/``; return the cell directories, in ``cells`` order.
 
     Raises ``GridError`` at the end when a cell failed (the others still ran), ``ValueError`` before starting
@@ -295,8 +321,13 @@ def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1,
         if run_dir.exists():
             shutil.rmtree(run_dir)  # train appends to metrics.jsonl: a rerun must not extend the old lines
         run_dir.mkdir(parents=True)
-        info = {"name": cell.name, "label": cell.label, "settings": cell.settings, "seed": cell.seed,
-                "argv": [*fixed_args, *cell.train_options()]}
+        info = {
+            "name": cell.name,
+            "label": cell.label,
+            "settings": cell.settings,
+            "seed": cell.seed,
+            "argv": [*fixed_args, *cell.train_options()],
+        }
         (run_dir / "cell.json").write_text(json.dumps(info, indent=2) + "\n")
         argv = [*command, "--out", str(run_dir), "--quiet", *fixed_args, *cell.train_options()]
         with open(run_dir / "train.log", "w") as log:
@@ -307,8 +338,14 @@ def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1,
     if console is not None and todo:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        bar = Progress(TextColumn("grid"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TextColumn("{task.description}"), console=console)
+        bar = Progress(
+            TextColumn("grid"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+        )
         task = bar.add_task(f"{jobs} at a time", total=len(todo))
         bar.start()
     try:
@@ -340,17 +377,36 @@ def run_grid(cells: list[Cell], out: Path, fixed_args: list[str], jobs: int = 1,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--grid", nargs="+", metavar="KEY=V1,V2", help="the grid: one KEY=V1,V2 per varied setting; KEY is trainer, "
-      "engine, is, seed or any train option's name (sync, loss-type, lr, ...)")
-    a("--out", metavar="DIR", default="runs/compare", help="grid directory: one run per cell, summary.md, plots/ "
-      "(default runs/compare)")
+    a(
+        "--grid",
+        nargs="+",
+        metavar="KEY=V1,V2",
+        help="the grid: one KEY=V1,V2 per varied setting; KEY is trainer, "
+        "engine, is, seed or any train option's name (sync, loss-type, lr, ...)",
+    )
+    a(
+        "--out",
+        metavar="DIR",
+        default="runs/compare",
+        help="grid directory: one run per cell, summary.md, plots/ (default runs/compare)",
+    )
     a("--jobs", type=int, default=1, help="runs at once; the CPU threads are split between them (default 1)")
     a("--force", action="store_true", help="rerun cells whose directory already holds a finished run")
     a("--plots-only", action="store_true", help="run nothing: redo summary.md and the plots from the runs in --out")
-    a("--smooth", type=int, default=5, metavar="N", help="centred moving average over N steps in the plots "
-      "(default 5; at most an eighth of the longest run; 1: none)")
-    a("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_OPTIONS",
-      help="after '--': options passed to every roundalign train run, e.g. -- --steps 40 --engine-profile sglang")
+    a(
+        "--smooth",
+        type=int,
+        default=5,
+        metavar="N",
+        help="centred moving average over N steps in the plots "
+        "(default 5; at most an eighth of the longest run; 1: none)",
+    )
+    a(
+        "train_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- TRAIN_OPTIONS",
+        help="after '--': options passed to every roundalign train run, e.g. -- --steps 40 --engine-profile sglang",
+    )
 
 
 @dataclass(frozen=True)
@@ -367,8 +423,16 @@ class CompareConfig:
 
     def validate(self) -> CompareConfig:
         if self.plots_only:
-            given = [f for f, v in (("--grid", self.grid), ("--force", self.force), ("-- TRAIN_OPTIONS",
-                                    self.train_args), ("--jobs", self.jobs != 1)) if v]
+            given = [
+                f
+                for f, v in (
+                    ("--grid", self.grid),
+                    ("--force", self.force),
+                    ("-- TRAIN_OPTIONS", self.train_args),
+                    ("--jobs", self.jobs != 1),
+                )
+                if v
+            ]
             if given:
                 raise UserError(f"--plots-only runs nothing, so {', '.join(given)} would be ignored; drop them")
             return self
@@ -385,8 +449,15 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     fixed = list(args.train_args or [])
     if fixed[:1] == ["--"]:
         fixed = fixed[1:]
-    return CompareConfig(grid=tuple(args.grid) if args.grid else None, out=args.out, jobs=args.jobs, force=args.force,
-                         plots_only=args.plots_only, smooth=args.smooth, train_args=tuple(fixed))
+    return CompareConfig(
+        grid=tuple(args.grid) if args.grid else None,
+        out=args.out,
+        jobs=args.jobs,
+        force=args.force,
+        plots_only=args.plots_only,
+        smooth=args.smooth,
+        train_args=tuple(fixed),
+    )
 
 
 def run(config: CompareConfig) -> int:
@@ -403,8 +474,9 @@ def run(config: CompareConfig) -> int:
         grid = parse_grid(list(config.grid))
         cells = plan(grid, fixed)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "grid.json").write_text(json.dumps({"grid": grid, "fixed_args": fixed,
-                                                   "cells": [c.name for c in cells]}, indent=2) + "\n")
+        (out / "grid.json").write_text(
+            json.dumps({"grid": grid, "fixed_args": fixed, "cells": [c.name for c in cells]}, indent=2) + "\n"
+        )
         _say(console, f"{len(cells)} run(s) planned into {out}/")
         try:
             run_grid(cells, out, fixed, jobs=config.jobs, console=console, force=config.force)

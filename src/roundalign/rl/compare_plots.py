@@ -37,24 +37,38 @@ class Panel:
 
 PANELS = (
     Panel("reward/mean", "reward", "Reward", "mean reward per completion"),
-    Panel("eval/accuracy", "eval_accuracy", "Held-out accuracy (greedy)", "accuracy (fraction correct)",
-          smooth=False),
-    Panel("rollout_corr/k3_kl", "k3_kl", "Rollout/trainer mismatch: K3 KL", "K3 KL estimate (nats per token)",
-          log=True),
-    Panel("rollout_corr/raw_is_std", "is_ratio_spread", "IS-ratio spread",
-          "std of raw token IS ratio π_train/π_rollout"),
+    Panel("eval/accuracy", "eval_accuracy", "Held-out accuracy (greedy)", "accuracy (fraction correct)", smooth=False),
+    Panel(
+        "rollout_corr/k3_kl", "k3_kl", "Rollout/trainer mismatch: K3 KL", "K3 KL estimate (nats per token)", log=True
+    ),
+    Panel(
+        "rollout_corr/raw_is_std", "is_ratio_spread", "IS-ratio spread", "std of raw token IS ratio π_train/π_rollout"
+    ),
     # The sync metrics' definitions are roundalign.sync.visibility's (docs/sync.md).
-    Panel("sync/visible_fraction", "update_visibility", "Update visibility",
-          "served weights whose bits changed (fraction)"),
-    Panel("sync/update_transfer", "update_transfer", "Update transfer",
-          "⟨Δserved, Δmaster⟩ / ‖Δmaster‖² (share of the update)"),
+    Panel(
+        "sync/visible_fraction",
+        "update_visibility",
+        "Update visibility",
+        "served weights whose bits changed (fraction)",
+    ),
+    Panel(
+        "sync/update_transfer",
+        "update_transfer",
+        "Update transfer",
+        "⟨Δserved, Δmaster⟩ / ‖Δmaster‖² (share of the update)",
+    ),
     Panel("sync/lag_steps", "lag_steps", "Served-weight lag", "steps since the master the served copy is nearest"),
     Panel("sync/relative_drift", "relative_drift", "Served-weight drift", "‖served − master‖ / ‖master‖ (relative)"),
 )
 # Logged only by runs with --prefill-check; plotted when some run has it.
 OPTIONAL_PANELS = (
-    Panel("prefill/k3_kl", "prefill_k3_kl", "K3 KL vs the engine's prefill (rounding only)",
-          "K3 KL estimate (nats per token)", log=True),
+    Panel(
+        "prefill/k3_kl",
+        "prefill_k3_kl",
+        "K3 KL vs the engine's prefill (rounding only)",
+        "K3 KL estimate (nats per token)",
+        log=True,
+    ),
 )
 LINE_STYLES = ("-", "--", ":", "-.")
 
@@ -75,7 +89,7 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     half = window // 2
     out = np.full(values.shape, np.nan)
     for i in range(len(values)):
-        chunk = values[max(0, i - half): i + half + 1]
+        chunk = values[max(0, i - half) : i + half + 1]
         if np.isfinite(chunk).any():
             out[i] = np.nanmean(chunk)
     return out
@@ -124,8 +138,14 @@ def draw(ax, runs: list[Run], panel: Panel, window: int, style: dict[str, dict])
     data = {label: series(group, panel.key, window) for label, group in group_runs(runs).items()}
     data = {label: d for label, d in data.items() if np.isfinite(d[1]).any()}
     if not data:
-        ax.text(0.5, 0.5, f"{panel.key}: no values\n(absent or null in every run)", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            f"{panel.key}: no values\n(absent or null in every run)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_title(panel.title)
         return False
     floor = _log_floor([c for d in data.values() for c in d[1:]]) if panel.log else None
@@ -191,11 +211,13 @@ def plot(runs: list[Run], out: Path, smooth: int = 5) -> list[Path]:
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4.25 * rows), layout="constrained")
     for ax, panel in zip(list(axes.flat)[: len(panels)], panels, strict=True):
         draw(ax, runs, panel, smooth, style)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles, labels = _legend_entries(axes)
-    fig.suptitle(f"roundalign compare: mean across seeds, band min..max; {_smoothing_note(smooth)} "
-                 "(eval accuracy unsmoothed)", fontsize=12)
+    fig.suptitle(
+        f"roundalign compare: mean across seeds, band min..max; {_smoothing_note(smooth)} (eval accuracy unsmoothed)",
+        fontsize=12,
+    )
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
     paths.append(_save(plt, fig, folder / "overview.png"))

@@ -19,17 +19,25 @@ from roundalign.rl.logbook import read_metrics
 GRID_ALIASES = {"trainer": "trainer_profile", "engine": "engine_profile", "is": "rollout_is"}
 _SHORT = {v: k for k, v in GRID_ALIASES.items()}
 
+
 def config_label(settings: dict[str, str]) -> str:
     return " ".join(f"{_SHORT.get(k, k.replace('_', '-'))}={v}" for k, v in settings.items()) or "(no grid keys)"
 
 
 # (metric, column header) in table order; eval/accuracy is read at the last evaluation, the rest averaged.
 SUMMARY_METRICS = (
-    ("reward/mean", "reward"), ("accuracy/train", "train acc"), ("eval/accuracy", "eval acc (last)"),
-    ("rollout_corr/k3_kl", "k3_kl"), ("rollout_corr/raw_is_std", "IS-ratio spread"),
-    ("mismatch/log_ratio_rms", "log-ratio RMS"), ("mismatch/bitwise_equal_frac", "bitwise equal"),
-    ("sync/visible_fraction", "update visible"), ("sync/update_transfer", "update transfer"),
-    ("sync/relative_drift", "relative drift"), ("sync/lag_steps", "lag (steps)"), ("actor/grad_norm", "grad norm"),
+    ("reward/mean", "reward"),
+    ("accuracy/train", "train acc"),
+    ("eval/accuracy", "eval acc (last)"),
+    ("rollout_corr/k3_kl", "k3_kl"),
+    ("rollout_corr/raw_is_std", "IS-ratio spread"),
+    ("mismatch/log_ratio_rms", "log-ratio RMS"),
+    ("mismatch/bitwise_equal_frac", "bitwise equal"),
+    ("sync/visible_fraction", "update visible"),
+    ("sync/update_transfer", "update transfer"),
+    ("sync/relative_drift", "relative drift"),
+    ("sync/lag_steps", "lag (steps)"),
+    ("actor/grad_norm", "grad norm"),
     ("timing_s/step", "s/step"),
 )
 TAIL = 0.25  # the summary averages each metric over this last fraction of a run's training steps
@@ -93,7 +101,7 @@ def tail_mean(run: Run, key: str) -> float | None:
         evals = [_number(m.get(key)) for m in run.metrics if m.get(key) is not None]
         return evals[-1] if evals else None
     steps = run.train_steps
-    window = steps[len(steps) - math.ceil(TAIL * len(steps)):] if steps else []
+    window = steps[len(steps) - math.ceil(TAIL * len(steps)) :] if steps else []
     values = [_number(m[key]) for m in window if m.get(key) is not None]
     return sum(values) / len(values) if values else None
 
@@ -141,15 +149,22 @@ def summarize(runs: list[Run], out: Path) -> Path:
     rows = []
     for label, group in group_runs(runs).items():
         last = sorted({r.train_steps[-1]["step"] if r.train_steps else 0 for r in group})
-        rows.append({
-            "configuration": label, "settings": group[0].settings, "runs": [r.name for r in group],
-            "seeds": [r.seed for r in group], "steps": last[0] if len(last) == 1 else last,
-            "metrics": {k: across_seeds([tail_mean(r, k) for r in group]) for k, _ in metrics},
-            "k3_kl_first_step": across_seeds([first_step(r, "rollout_corr/k3_kl") for r in group]),
-        })
-    how = (f"Each metric is averaged over the last {TAIL:.0%} of a run's training steps (rounded up; null steps left "
-           "out), eval accuracy is the run's last evaluation, and k3_kl@1 is the first training step's value. Cells "
-           "show mean ± sample std (n-1) across the seeds of a configuration; a single seed has no ± part.")
+        rows.append(
+            {
+                "configuration": label,
+                "settings": group[0].settings,
+                "runs": [r.name for r in group],
+                "seeds": [r.seed for r in group],
+                "steps": last[0] if len(last) == 1 else last,
+                "metrics": {k: across_seeds([tail_mean(r, k) for r in group]) for k, _ in metrics},
+                "k3_kl_first_step": across_seeds([first_step(r, "rollout_corr/k3_kl") for r in group]),
+            }
+        )
+    how = (
+        f"Each metric is averaged over the last {TAIL:.0%} of a run's training steps (rounded up; null steps left "
+        "out), eval accuracy is the run's last evaluation, and k3_kl@1 is the first training step's value. Cells "
+        "show mean ± sample std (n-1) across the seeds of a configuration; a single seed has no ± part."
+    )
     lines = ["# roundalign compare", ""]
     if grid:
         spec = " ".join(f"{_SHORT.get(k, k)}={','.join(v)}" for k, v in grid.get("grid", {}).items())
@@ -164,12 +179,22 @@ def summarize(runs: list[Run], out: Path) -> Path:
     for row in rows:
         n = len(row["seeds"])
         steps = row["steps"] if isinstance(row["steps"], int) else f"{row['steps'][0]}–{row['steps'][-1]}"
-        cells = [row["configuration"], ",".join(str(s) for s in row["seeds"]), str(steps),
-                 *(_fmt(row["metrics"][k], n) for k, _ in metrics), _fmt(row["k3_kl_first_step"], n)]
+        cells = [
+            row["configuration"],
+            ",".join(str(s) for s in row["seeds"]),
+            str(steps),
+            *(_fmt(row["metrics"][k], n) for k, _ in metrics),
+            _fmt(row["k3_kl_first_step"], n),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
-    data = {"grid": grid.get("grid"), "fixed_args": grid.get("fixed_args"), "aggregation": how, "tail": TAIL,
-            "configurations": rows}
+    data = {
+        "grid": grid.get("grid"),
+        "fixed_args": grid.get("fixed_args"),
+        "aggregation": how,
+        "tail": TAIL,
+        "configurations": rows,
+    }
     (out / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
     return path

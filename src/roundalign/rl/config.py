@@ -119,11 +119,15 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UserError(f"{flag(name)} must be an int >= 0 (0 = never), got {v!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
-            raise UserError(f"--group-size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "
-                             "completion's reward against the other completions of its prompt")
+            raise UserError(
+                f"--group-size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "
+                "completion's reward against the other completions of its prompt"
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise UserError(f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
-                             "completion of a group identical, so every advantage is 0 and nothing is learned")
+            raise UserError(
+                f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
+                "completion of a group identical, so every advantage is 0 and nothing is learned"
+            )
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
@@ -143,17 +147,22 @@ class TrainConfig:
         _choice(self.sync, SYNC_MODES, "sync")
         if self.loss_type == "reinforce":
             if self.inner_epochs != 1:
-                raise UserError(f"--inner-epochs {self.inner_epochs} with --loss-type reinforce: plain REINFORCE has "
-                                f"no "
-                                 "ratio to clip, so a second pass over the same rollouts is off-policy with nothing to "
-                                 "correct it; use --loss-type grpo (PPO-clip) for several inner epochs")
+                raise UserError(
+                    f"--inner-epochs {self.inner_epochs} with --loss-type reinforce: plain REINFORCE has "
+                    f"no "
+                    "ratio to clip, so a second pass over the same rollouts is off-policy with nothing to "
+                    "correct it; use --loss-type grpo (PPO-clip) for several inner epochs"
+                )
             if self.clip_eps is not None or self.clip_eps_high is not None:
-                raise UserError("--clip-eps / --clip-eps-high apply to --loss-type grpo (PPO-clip); plain REINFORCE "
-                                 "does not clip: drop them or use --loss-type grpo")
+                raise UserError(
+                    "--clip-eps / --clip-eps-high apply to --loss-type grpo (PPO-clip); plain REINFORCE "
+                    "does not clip: drop them or use --loss-type grpo"
+                )
         eps = self.resolved_clip_eps
         if not 0 < eps < 1 or (self.clip_eps_high is not None and not 0 < self.clip_eps_high):
-            raise UserError(f"--clip-eps must be in (0, 1) and --clip-eps-high > 0, got {eps!r} / "
-                            f"{self.clip_eps_high!r}")
+            raise UserError(
+                f"--clip-eps must be in (0, 1) and --clip-eps-high > 0, got {eps!r} / {self.clip_eps_high!r}"
+            )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError(f"--lr must be > 0, got {self.lr!r}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
@@ -167,12 +176,15 @@ class TrainConfig:
         try:
             self.correction()  # the library's check of the mode and threshold
         except ValueError as exc:
-            raise UserError(f"--rollout-is {self.rollout_is} --rollout-is-threshold {self.rollout_is_threshold}: "
-                            f"{exc}") from None
+            raise UserError(
+                f"--rollout-is {self.rollout_is} --rollout-is-threshold {self.rollout_is_threshold}: {exc}"
+            ) from None
         if self.loss_on_served and self.sync == "rne":
-            raise UserError("--loss-on-served with --sync rne changes nothing: the trainer's compute copy already is "
-                             "the RNE cast of the master, which is exactly what rne serves. Use --sync stochastic or "
-                             "--sync error-feedback (where loss_on_served is on by default), or drop --loss-on-served")
+            raise UserError(
+                "--loss-on-served with --sync rne changes nothing: the trainer's compute copy already is "
+                "the RNE cast of the master, which is exactly what rne serves. Use --sync stochastic or "
+                "--sync error-feedback (where loss_on_served is on by default), or drop --loss-on-served"
+            )
         if self.dtype == "float16":
             if not (math.isfinite(self.loss_scale) and self.loss_scale >= 1):
                 raise UserError(f"--loss-scale must be >= 1, got {self.loss_scale!r}")

@@ -46,8 +46,10 @@ class Logbook:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 if console is not None:
-                    console.print("[dim]TensorBoard is not installed (pip install tensorboard): metrics go to "
-                                  f"{self.path} only[/dim]")
+                    console.print(
+                        "[dim]TensorBoard is not installed (pip install tensorboard): metrics go to "
+                        f"{self.path} only[/dim]"
+                    )
             else:
                 self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
 
@@ -78,8 +80,15 @@ class Progress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                             TextColumn("{task.fields[status]}"), console=console, transient=False)
+        self._bar = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            transient=False,
+        )
         self._task = self._bar.add_task("train", total=total, completed=start, status="")
         self._bar.start()
 
@@ -91,8 +100,10 @@ class Progress:
             v = metrics.get(key)
             return "-" if v is None else format(v, spec)
 
-        status = (f"reward {fmt('reward/mean', '.3f')}  k3_kl {fmt('rollout_corr/k3_kl', '.2e')}  "
-                  f"visible {fmt('sync/visible_fraction', '.3f')}  lag {fmt('sync/lag_steps', '.0f')}")
+        status = (
+            f"reward {fmt('reward/mean', '.3f')}  k3_kl {fmt('rollout_corr/k3_kl', '.2e')}  "
+            f"visible {fmt('sync/visible_fraction', '.3f')}  lag {fmt('sync/lag_steps', '.0f')}"
+        )
         if "eval/accuracy" in metrics:
             status += f"  eval {metrics['eval/accuracy']:.3f}"
         self._bar.update(self._task, advance=1, status=status)

@@ -45,8 +45,12 @@ from roundalign.sync import Exporter, UpdateTracker
 from roundalign.tasks.arithmetic import reward
 
 # The prefill check logs these mismatch metrics, renamed prefill/<name>.
-PREFILL_KEYS = ("rollout_corr/k3_kl", "mismatch/log_ratio_rms", "mismatch/bitwise_equal_frac",
-                "mismatch/log_ratio_max_abs")
+PREFILL_KEYS = (
+    "rollout_corr/k3_kl",
+    "mismatch/log_ratio_rms",
+    "mismatch/bitwise_equal_frac",
+    "mismatch/log_ratio_max_abs",
+)
 
 
 class TrainingDiverged(Failure, RuntimeError):
@@ -109,8 +113,13 @@ class Run:
         t0 = time.perf_counter()
         problems = self.task.train_batch(step, c.prompts_per_step)
         batch = [p for p in problems for _ in range(c.group_size)]  # groups are consecutive
-        params = SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens,
-                                seed=sampling_seed(c.seed, step), logprobs_mode="processed")
+        params = SamplingParams(
+            temperature=c.temperature,
+            top_p=c.top_p,
+            max_tokens=c.max_tokens,
+            seed=sampling_seed(c.seed, step),
+            logprobs_mode="processed",
+        )
         outs = self.engine.generate([self.task.prompt(p) for p in batch], params)
         rewards = torch.tensor([reward(o.text, p) for o, p in zip(outs, batch, strict=True)])
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float64)
@@ -138,16 +147,25 @@ class Run:
         t3 = time.perf_counter()
         m |= self.sync()
         t4 = time.perf_counter()
-        m |= {"timing_s/rollout": t1 - t0, "timing_s/recompute": t2 - t1, "timing_s/update": t3 - t2,
-              "timing_s/sync": t4 - t3, "timing_s/step": t4 - t0}
+        m |= {
+            "timing_s/rollout": t1 - t0,
+            "timing_s/recompute": t2 - t1,
+            "timing_s/update": t3 - t2,
+            "timing_s/sync": t4 - t3,
+            "timing_s/step": t4 - t0,
+        }
         return m
 
     def _prefill_check(self, outs, old: list[torch.Tensor]) -> dict:
         """The trainer's recompute against the engine's own prefill re-score of the same tokens (raw log-probs at
         the step's temperature): what is left of the mismatch when decode's attention shapes are taken out, i.e.
         the rounding-location gap alone. 0 and 1.0 exactly when the trainer rounds where the engine does."""
-        scored = self.engine.score([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], mode="prefill",
-                                   temperature=self.config.temperature)
+        scored = self.engine.score(
+            [o.prompt_token_ids for o in outs],
+            [o.token_ids for o in outs],
+            mode="prefill",
+            temperature=self.config.temperature,
+        )
         full = mismatch_metrics(old, scored)
         return {f"prefill/{k.split('/', 1)[1]}": full[k] for k in PREFILL_KEYS}
 
@@ -171,12 +189,21 @@ class Run:
                 logp = policy.logprobs_with_grad(o.prompt_token_ids, o.token_ids)
                 bad = int((~torch.isfinite(logp)).sum())
                 if bad:
-                    raise NonFiniteError(f"step {step}: the loss is non-finite: the trainer's log-probs are non-finite "
-                                         f"at {bad} of {n} completion tokens of sequence {i}")
-                result = policy_loss(logp[None], old_pad[i : i + 1, :n], advantages[i : i + 1], mask[i : i + 1, :n],
-                                     loss_type=c.loss_type, clip_eps=c.resolved_clip_eps,
-                                     clip_eps_high=c.clip_eps_high, is_weights=weights[i : i + 1, :n],
-                                     normalizer=n_tokens)
+                    raise NonFiniteError(
+                        f"step {step}: the loss is non-finite: the trainer's log-probs are non-finite "
+                        f"at {bad} of {n} completion tokens of sequence {i}"
+                    )
+                result = policy_loss(
+                    logp[None],
+                    old_pad[i : i + 1, :n],
+                    advantages[i : i + 1],
+                    mask[i : i + 1, :n],
+                    loss_type=c.loss_type,
+                    clip_eps=c.resolved_clip_eps,
+                    clip_eps_high=c.clip_eps_high,
+                    is_weights=weights[i : i + 1, :n],
+                    normalizer=n_tokens,
+                )
                 policy.backward(result.loss, step)
                 totals["actor/pg_loss"] += float(result.loss.detach()) / c.inner_epochs
                 for k in ("actor/pg_clipfrac", "actor/ppo_kl"):  # token means: weight each sequence by its tokens
@@ -189,8 +216,11 @@ class Run:
     # ----------------------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"policy": self.policy.state_dict(), "exporter": self.exporter.state_dict(),
-                "tracker": self.tracker.state_dict()}
+        return {
+            "policy": self.policy.state_dict(),
+            "exporter": self.exporter.state_dict(),
+            "tracker": self.tracker.state_dict(),
+        }
 
     def restore(self) -> int:
         master, served, state = checkpoint.load_latest(self.out)
@@ -204,22 +234,31 @@ class Run:
         return checkpoint.save(self.out, step, self.policy.master_state(), self.served, self.state())
 
 
-def train(config: TrainConfig, out: Path, *, resume: bool = False, console=None, progress: bool = True,
-          tensorboard: bool = True) -> Path:
+def train(
+    config: TrainConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    console=None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> Path:
     """Run (or resume) a training run into ``out``; returns ``out``. See the module docstring."""
     out = Path(out)
     metrics_path = out / "metrics.jsonl"
     if not resume and metrics_path.exists():
-        raise ValueError(f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} "
-                         "or choose another --out")
+        raise ValueError(
+            f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} or choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)
     if resume:
         start = run.restore()
         if start >= config.steps:
-            raise ValueError(f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} "
-                             "to continue it")
+            raise ValueError(
+                f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} to continue it"
+            )
         checkpoint.truncate_metrics(metrics_path, start)
         # --steps / --save-every may change on resume: config.json says what the run now is
         (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")

@@ -48,13 +48,16 @@ class Policy:
         self._compute = dict(self.model.named_parameters())
         params = list(self.master.values())
         if config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
-                                               weight_decay=config.weight_decay, eps=1e-8)
+            self.optimizer = torch.optim.AdamW(
+                params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, eps=1e-8
+            )
         else:
             self.optimizer = torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
-        self.scaler = (torch.amp.GradScaler("cpu", init_scale=config.loss_scale,
-                                            growth_interval=config.loss_scale_growth_interval)
-                       if self.dtype == torch.float16 else None)
+        self.scaler = (
+            torch.amp.GradScaler("cpu", init_scale=config.loss_scale, growth_interval=config.loss_scale_growth_interval)
+            if self.dtype == torch.float16
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # weights
@@ -112,8 +115,10 @@ class Policy:
         else:
             for name, p in self.master.items():
                 if not torch.isfinite(p.grad).all():
-                    raise NonFiniteError(f"step {step}: the gradient of {name} has non-finite values "
-                                         f"({int((~torch.isfinite(p.grad)).sum())} of {p.grad.numel()})")
+                    raise NonFiniteError(
+                        f"step {step}: the gradient of {name} has non-finite values "
+                        f"({int((~torch.isfinite(p.grad)).sum())} of {p.grad.numel()})"
+                    )
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the norm before clipping, as verl logs it
         out["actor/grad_norm"] = norm
@@ -124,8 +129,10 @@ class Policy:
             out["actor/loss_scale"] = scale
             out["actor/skipped_step"] = float(not torch.isfinite(torch.tensor(norm)))
             if self.scaler.get_scale() < 2.0**-24:
-                raise NonFiniteError(f"step {step}: the fp16 loss scale fell to {self.scaler.get_scale():g}: every "
-                                     "step overflows even unscaled; the run has diverged")
+                raise NonFiniteError(
+                    f"step {step}: the fp16 loss scale fell to {self.scaler.get_scale():g}: every "
+                    "step overflows even unscaled; the run has diverged"
+                )
         else:
             if not torch.isfinite(torch.tensor(norm)):
                 raise NonFiniteError(f"step {step}: the total gradient norm is {norm}")
@@ -136,8 +143,10 @@ class Policy:
     # checkpoints
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_state_dict(self, master: dict[str, torch.Tensor], state: dict) -> None:
         with torch.no_grad():

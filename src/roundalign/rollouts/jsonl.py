@@ -39,7 +39,6 @@ IGNORED_KEYS = frozenset({"prompt", "id"})
 MAX_REPORTED = 20
 
 
-
 class JSONLError(UserError):
     """A malformed dump. ``errors`` holds (line number, message) for every bad line found."""
 
@@ -103,8 +102,10 @@ def _parse_record(text: str, vocab_size: int, max_model_len: int) -> Rollout | s
         return f"missing key(s) {missing}; each record needs {list(REQUIRED_KEYS)}"
     unknown = sorted(set(obj) - set(REQUIRED_KEYS) - set(KEPT_KEYS) - IGNORED_KEYS)
     if unknown:
-        return (f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)}, optionally {list(KEPT_KEYS)} and, "
-                f"ignored, {sorted(IGNORED_KEYS)}")
+        return (
+            f"unknown key(s) {unknown}; allowed are {list(REQUIRED_KEYS)}, optionally {list(KEPT_KEYS)} and, "
+            f"ignored, {sorted(IGNORED_KEYS)}"
+        )
     for key in KEPT_KEYS:
         if obj.get(key) is not None and not isinstance(obj[key], str):
             return f'"{key}" must be a string or null, got {type(obj[key]).__name__}'

@@ -32,9 +32,13 @@ def rollouts_from_batch(batch) -> list[Rollout]:
     out = []
     for row in range(prompts.shape[0]):
         keep_prompt, keep_response = mask[row, :n_prompt], mask[row, n_prompt:]
-        out.append(Rollout(prompt_token_ids=prompts[row][keep_prompt].tolist(),
-                                 token_ids=responses[row][keep_response].tolist(),
-                                 logprobs=logprobs[row][keep_response].float().tolist()))
+        out.append(
+            Rollout(
+                prompt_token_ids=prompts[row][keep_prompt].tolist(),
+                token_ids=responses[row][keep_response].tolist(),
+                logprobs=logprobs[row][keep_response].float().tolist(),
+            )
+        )
     return out
 
 

@@ -81,8 +81,9 @@ def _transformer_impl():
     import verl.workers.engine.fsdp.transformer_impl as ti
 
     if not str(getattr(verl, "__version__", "")).startswith("0.9."):
-        warnings.warn(f"roundalign's verl hooks were written against verl 0.9.1; this is verl {verl.__version__}",
-                      stacklevel=3)
+        warnings.warn(
+            f"roundalign's verl hooks were written against verl 0.9.1; this is verl {verl.__version__}", stacklevel=3
+        )
     return ti
 
 
@@ -161,8 +162,9 @@ def _hook_sync(ti, sync: str, seed: int) -> list:
     def get_per_tensor_param_shard(self, **kwargs):
         """verl 0.9.1's shard export, with ``p.to(torch.bfloat16)`` replaced by roundalign's Fair Cast."""
         _check_engine(ti, self, "shard export")
-        params = ti.convert_weight_keys(self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module",
-                                                                          self.module))
+        params = ti.convert_weight_keys(
+            self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module", self.module)
+        )
         device, exporter = ti.get_device_id(), _exporter(self, sync, seed)
 
         def _gen():
@@ -179,8 +181,9 @@ def _hook_sync(ti, sync: str, seed: int) -> list:
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """Full tensors for the rollout: each rank exports its shard, then the bf16 shards are all-gathered."""
         _check_engine(ti, self, "full-tensor export")
-        params = ti.convert_weight_keys(self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module",
-                                                                          self.module))
+        params = ti.convert_weight_keys(
+            self.module.state_dict(), getattr(self.module, "_fsdp_wrapped_module", self.module)
+        )
         device, exporter = ti.get_device_id(), _exporter(self, sync, seed)
 
         def served(name, param):
@@ -197,8 +200,10 @@ def _hook_sync(ti, sync: str, seed: int) -> list:
         return ti.unfuse_moe_params(per_tensor, self.model_config.hf_config.model_type), None
 
     originals = []
-    for attr, replacement in (("get_per_tensor_param_shard", get_per_tensor_param_shard),
-                              ("get_per_tensor_param", get_per_tensor_param)):
+    for attr, replacement in (
+        ("get_per_tensor_param_shard", get_per_tensor_param_shard),
+        ("get_per_tensor_param", get_per_tensor_param),
+    ):
         originals.append((ti.FSDPEngine, attr, getattr(ti.FSDPEngine, attr)))
         setattr(ti.FSDPEngine, attr, replacement)
     for attr in ("optimizer_step", "load_checkpoint"):  # the master moves: the next export rounds afresh

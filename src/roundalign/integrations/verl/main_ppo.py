@@ -24,8 +24,10 @@ def prepare() -> dict | None:
     """Steps 1 and 2 above; returns the settings (None when no ROUNDALIGN_* variable is set)."""
     settings = settings_from_env()
     if settings is None:
-        print("roundalign: no ROUNDALIGN_PROFILE / ROUNDALIGN_SYNC set; running verl's main_ppo unchanged",
-              file=sys.stderr)
+        print(
+            "roundalign: no ROUNDALIGN_PROFILE / ROUNDALIGN_SYNC set; running verl's main_ppo unchanged",
+            file=sys.stderr,
+        )
         return None
     activate()
     import verl.trainer.main_ppo as verl_main

@@ -59,11 +59,15 @@ class PatchReport:
     verl_forward_patch: bool = False  # verl replaced the CausalLM forward (use_fused_kernels)
 
     def lines(self) -> list[str]:
-        out = [f"roundalign: {self.model_type} actor patched with profile {self.profile!r} "
-               f"({self.aligned_modules} modules aligned)"]
+        out = [
+            f"roundalign: {self.model_type} actor patched with profile {self.profile!r} "
+            f"({self.aligned_modules} modules aligned)"
+        ]
         if self.liger_bindings_removed or self.liger_classes_restored:
-            out.append(f"  Liger replaced {len(self.liger_bindings_removed)} instance methods and "
-                       f"{len(self.liger_classes_restored)} modules; the profile's rounding points replace them")
+            out.append(
+                f"  Liger replaced {len(self.liger_bindings_removed)} instance methods and "
+                f"{len(self.liger_classes_restored)} modules; the profile's rounding points replace them"
+            )
         if self.liger_globals:
             out.append(f"  Liger rebound {', '.join(self.liger_globals)} (aligned modules do not call them)")
         via = " through verl's remove-padding/Ulysses function" if self.verl_attention_patch else ""
@@ -77,7 +81,8 @@ def patch_actor(module, profile="vllm", **region_overrides) -> PatchReport:
 
     Call it where verl patches the model: after Liger and ``apply_monkey_patch``, before ``module.to(dtype)`` and FSDP
     (``roundalign.integrations.verl.install`` puts it there). ``region_overrides`` go to ``roundalign.apply``.
-    Raises ``UnsupportedModel`` (a ``ValueError``) for an unsupported model and ``RuntimeError`` when a module cannot be reached.
+    Raises ``UnsupportedModel`` (a ``ValueError``) for an unsupported model and ``RuntimeError`` when a module
+    cannot be reached.
     """
     config = getattr(module, "config", None)
     try:
@@ -85,7 +90,9 @@ def patch_actor(module, profile="vllm", **region_overrides) -> PatchReport:
         # ROUNDALIGN_* activation imports every family (import_families) before verl applies Liger.
         family = family_of(module)
     except UnsupportedModel as exc:
-        raise UnsupportedModel(f"verl's {type(module).__name__}: {exc}. Unset ROUNDALIGN_PROFILE for this run.") from None
+        raise UnsupportedModel(
+            f"verl's {type(module).__name__}: {exc}. Unset ROUNDALIGN_PROFILE for this run."
+        ) from None
     model_type = config.model_type
     report = PatchReport(profile=roundalign.get_profile(profile).name, model_type=model_type)
     _undo_liger(module, family, report)
