@@ -198,3 +198,57 @@ def test_lazy_attributes_are_the_real_objects():
     assert roundalign.ops.rms_norm is not None  # a subpackage, imported on first use
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         roundalign.nope  # noqa: B018
+
+
+def test_piped_output_takes_columns_when_set_and_a_wide_default_otherwise(monkeypatch):
+    from roundalign.console import PIPED_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console().width == PIPED_WIDTH  # pytest's captured stdout is not a terminal
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console().width == 100
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_profiles_overview_fits_any_width_and_cuts_no_formula(width):
+    """Below the width the side-by-side table needs, one table per profile: every line fits and every formula line
+    is printed whole."""
+    import io
+
+    from rich.console import Console
+
+    from roundalign.profiles_cli import overview
+
+    console = Console(width=width, file=io.StringIO(), force_terminal=False)
+    for renderable in overview([get_profile(n) for n in list_profiles()], False, console):
+        console.print(renderable)
+    text = console.file.getvalue()
+    assert all(len(line) <= width for line in text.splitlines())
+    assert "…" not in text
+    for name in list_profiles():
+        assert name in text
+        for formula in get_profile(name).describe().values():
+            for line in formula.split("; "):
+                assert line in text, (name, line)
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+@pytest.mark.parametrize("name", ["vllm", "sglang"])  # sglang's RoPE rule is the longest
+def test_profile_detail_fits_any_width_and_cuts_nothing(name, width):
+    import io
+
+    from rich.console import Console
+
+    from roundalign.profiles_cli import detail
+
+    console = Console(width=width, file=io.StringIO(), force_terminal=False)
+    for renderable in detail(get_profile(name), console):
+        console.print(renderable)
+    text = console.file.getvalue()
+    assert all(len(line) <= width for line in text.splitlines()) and "…" not in text
+    profile = get_profile(name)
+    for region, formula in profile.describe().items():
+        assert region in text
+        for line in formula.split("; "):
+            assert line in text, line
+    assert str(profile.rules()[0]) in text

@@ -108,7 +108,7 @@ def test_sliding_window_is_refused():
 def test_unknown_profile_and_backend(model):
     with pytest.raises(ValueError, match="unknown profile 'vlm'"):
         Engine(model, profile="vlm")
-    with pytest.raises(ValueError, match="unknown backend 'cuda'; choose one of kernels, inductor"):
+    with pytest.raises(ValueError, match="unknown engine backend 'cuda'; choose one of kernels, inductor"):
         Engine(model, backend="cuda")
     with pytest.raises(TypeError, match="HF \\*ForCausalLM or a model directory"):
         Engine(42)

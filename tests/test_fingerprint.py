@@ -308,10 +308,15 @@ def test_read_json_round_trip(results_path, capsys):
     assert compiled["regions"]["qk_norm"]["rules"] == ["fused_into_rope"]
 
 
-def test_read_table(results_path, capsys):
+@pytest.mark.parametrize("columns", ["80", "240"])
+def test_read_table(results_path, capsys, monkeypatch, columns):
+    """Piped output takes COLUMNS: a wide console gets one table per run, 80 columns one block per region; neither
+    cuts a rule, a status or a number."""
+    monkeypatch.setenv("COLUMNS", columns)
     assert main(["fingerprint", "read", str(results_path)]) == 0
     out = capsys.readouterr().out
     assert "compiled mode" in out and "indistinguishable" in out and "fused_into_rope" in out
+    assert "…" not in out and all(len(line) <= int(columns) for line in out.splitlines())
 
 
 def test_profile_out(results_path, tmp_path, capsys):

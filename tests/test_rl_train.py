@@ -14,6 +14,7 @@ import torch
 
 from roundalign.cli import main
 from roundalign.rl import checkpoint
+from roundalign.rl import cli as rl_cli
 from roundalign.rl.config import TrainConfig
 from roundalign.rl.logbook import read_metrics
 from roundalign.rl.loop import TrainingDiverged, train
@@ -321,10 +322,18 @@ def test_cli_prints_a_summary_of_the_run(tmp_path, capsys):
         "--eval-problems",
         "8",
         "--no-tensorboard",
+        "--prefill-check",
     ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     rows = _rows(out)
-    assert f"run {out}: 2 steps" in text
-    assert f"reward                             {(rows[1]['reward/mean'] + rows[2]['reward/mean']) / 2:.3f}" in text
+    assert (
+        f"run {out}: 2 steps; trainer profile vllm, engine profile vllm (kernels backend), bfloat16, --sync rne" in text
+    )
+    width = rl_cli._WIDTH
+    assert f"  {'reward':<{width}} {(rows[1]['reward/mean'] + rows[2]['reward/mean']) / 2:.3f}" in text
+    k3 = (rows[1]["rollout_corr/k3_kl"] + rows[2]["rollout_corr/k3_kl"]) / 2
+    assert f"  {'k3_kl, trainer vs sampler' + chr(39) + 's decode log-probs':<{width}} {k3:.2e}" in text
+    prefill = (rows[1]["prefill/bitwise_equal_frac"] + rows[2]["prefill/bitwise_equal_frac"]) / 2
+    assert f"  {'bitwise equal, vs engine prefill':<{width}} {prefill:.1%}" in text  # --prefill-check's figures
     assert f"{rows[0]['eval/accuracy']:.3f} at step 0 -> {rows[2]['eval/accuracy']:.3f} at step 2" in text

@@ -24,3 +24,27 @@ def make_console(purpose: str = "the tables"):
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console
     return Console(width=PIPED_WIDTH)
+
+
+def fits(console, renderable) -> bool:
+    """Whether ``renderable`` prints at ``console``'s width without rich cutting a no-wrap cell (a formula, a
+    number, a rule name), which it marks with an ellipsis: rendered once off screen at that width to find out."""
+    import io
+
+    from rich.console import Console
+
+    trial = Console(width=console.width, file=io.StringIO(), color_system=None, force_terminal=False)
+    trial.print(renderable)
+    return "…" not in trial.file.getvalue()
+
+
+def key_value_table(rows: list[tuple[str, str]], title: str | None = None):
+    """A narrow fallback layout: one ``key  value`` row per field, values wrapped at spaces; fits 80 columns."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("key", style="bold cyan", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table

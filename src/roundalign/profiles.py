@@ -404,5 +404,5 @@ def get_profile(name: str | Path | Profile) -> Profile:
     except KeyError:
         raise UserError(
             f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
-            "(or pass a Profile, e.g. Profile.load(path))"
+            "(or a profile .json file, as roundalign fit and Profile.save write it)"
         ) from None

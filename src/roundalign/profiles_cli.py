@@ -96,34 +96,54 @@ def _profile_table(p: Profile, sources: bool):
 def overview(profiles: list[Profile], sources: bool, console) -> list:
     """Every profile side by side when the console is wide enough to show every formula whole, else one small table
     per profile."""
-    from rich.measure import Measurement
     from rich.text import Text
 
+    from roundalign.console import fits
+
     wide = _wide_table(profiles, sources)
-    if Measurement.get(console, console.options.update_width(10_000), wide).minimum <= console.width:
+    if fits(console, wide):
         return [wide]
     return [*(_profile_table(p, sources) for p in profiles), Text(CAPTION, style="dim")]
 
 
-def detail(p: Profile):
+def _detail_rows(p: Profile) -> list[tuple[str, str, str, str]]:
+    """(region, rule, formula, differs from HF) per region, then where RoPE's angles come from."""
+    hf = get_profile("hf")
+    rows = [
+        (region, str(getattr(p, region)), _display(text), "yes" if getattr(p, region) != getattr(hf, region) else "no")
+        for region, text in p.describe().items()
+    ]
+    angles = "inv_freq from the config, fp32" if str(p.rope_angles) == "fp32" else "the rotary module's inv_freq"
+    rows.append(("rope angles", str(p.rope_angles), angles, "yes" if p.rope_angles != hf.rope_angles else "no"))
+    return rows
+
+
+def detail(p: Profile, console) -> list:
+    """One profile: a region x (rule, formula, differs from HF) table, or, narrower than it, one block per region."""
     from rich.table import Table
 
-    hf = get_profile("hf")
+    from roundalign.console import fits, key_value_table
+
     table = Table(title=f"profile {p.name}", caption=f"engines: {p.engines}\nsource: {p.source}", show_lines=True)
     table.add_column("region", style="bold cyan", no_wrap=True)
     table.add_column("rule", no_wrap=True)
     table.add_column("formula", no_wrap=True)
     table.add_column("differs from HF", no_wrap=True)
-    for region, text in p.describe().items():
-        rule = getattr(p, region)
-        table.add_row(region, str(rule), _display(text), "yes" if rule != getattr(hf, region) else "no")
-    table.add_row(
-        "rope angles",
-        str(p.rope_angles),
-        "inv_freq " + ("from the config, fp32" if str(p.rope_angles) == "fp32" else "the rotary module's buffer"),
-        "yes" if p.rope_angles != hf.rope_angles else "no",
-    )
-    return table
+    rows = _detail_rows(p)
+    for row in rows:
+        table.add_row(*row)
+    if fits(console, table):
+        return [table]
+    head = key_value_table([("profile", p.name), ("engines", p.engines), ("source", p.source)])
+    return [
+        head,
+        *(
+            key_value_table(
+                [("rule", rule), ("formula", formula), ("differs from HF", differs)], title=f"[bold cyan]{region}[/]"
+            )
+            for region, rule, formula, differs in rows
+        ),
+    ]
 
 
 def run(config: ProfilesConfig) -> int:
@@ -136,6 +156,7 @@ def run(config: ProfilesConfig) -> int:
         print(json.dumps(data, indent=2))
         return ExitStatus.OK
     console = make_console()
-    for renderable in [detail(profiles[0])] if config.name is not None else overview(profiles, config.sources, console):
+    shown = detail(profiles[0], console) if config.name is not None else overview(profiles, config.sources, console)
+    for renderable in shown:
         console.print(renderable)
     return ExitStatus.OK

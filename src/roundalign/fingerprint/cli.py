@@ -185,7 +185,8 @@ def _read(args, console) -> int:
         print(json.dumps({"runs": data, "profile_out": written}, indent=2))
         return ExitStatus.OK
     for entry in entries:
-        console.print(_table(entry))
+        for renderable in _tables(entry, console):
+            console.print(renderable)
         if entry["model"]:
             console.print(model_line(entry["model"]), highlight=False)
     if written:
@@ -259,6 +260,31 @@ def _evidence(region) -> str:
         f"{row['rule']}: {row['equal']:.4%} equal (worst case {row['worst_case']:.2%}), max {row['max_ulp']} ulp"
         for row in rows
     )
+
+
+def _tables(entry: dict, console) -> list:
+    """One run's regions as a table, or, narrower than it, one block per region (nothing cut)."""
+    from roundalign.console import fits, key_value_table
+
+    table = _table(entry)
+    if fits(console, table):
+        return [table]
+    title = f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode"
+    blocks = [key_value_table([("run", title), ("device", f"{entry['device']}, torch {entry['torch']}")])]
+    for name, region in entry["regions"].items():
+        style = STATUS_STYLE[region.status]
+        blocks.append(
+            key_value_table(
+                [
+                    ("rule", "\n".join(region.rules) or "-"),
+                    ("status", f"[{style}]{region.status}[/{style}]"),
+                    ("evidence", _evidence(region)),
+                    ("note", region.note or ""),
+                ],
+                title=f"[bold cyan]{name}[/]",
+            )
+        )
+    return blocks
 
 
 def _table(entry: dict):

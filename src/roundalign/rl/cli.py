@@ -244,4 +244,4 @@ def _report(out: Path, config: TrainConfig, console) -> None:
             f"{evals[-1][1]:.3f} at step {evals[-1][0]}"
         )
     lines.append(f"metrics: {out / 'metrics.jsonl'}; checkpoints: {out / 'checkpoints'} (docs/train.md)")
-    console.print("\n".join(lines), markup=False, highlight=False)
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)  # a path is never broken

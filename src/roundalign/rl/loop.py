@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine import Engine, SamplingParams
-from roundalign.errors import ExitStatus, Failure
+from roundalign.errors import ExitStatus, Failure, UserError
 from roundalign.numerics.correction import is_weights
 from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
@@ -81,7 +81,7 @@ class Run:
         self.policy = Policy(self.model_dir, config)
         self.engine = Engine(self.model_dir, config.engine_profile, config.engine_backend, dtype=DTYPE[config.dtype])
         if self.engine.tokenizer is None:
-            raise ValueError(f"{str(self.model_dir)!r} has no tokenizer files; train needs one to build prompts")
+            raise UserError(f"{str(self.model_dir)!r} has no tokenizer files; train needs one to build prompts")
         self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype])
         self.tracker = UpdateTracker(lag_window=config.lag_window, seed=config.seed)
         self.task = Task(config.level, config.seed, config.eval_problems)
@@ -247,7 +247,7 @@ def train(
     out = Path(out)
     metrics_path = out / "metrics.jsonl"
     if not resume and metrics_path.exists():
-        raise ValueError(
+        raise UserError(
             f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} or choose another --out"
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +256,7 @@ def train(
     if resume:
         start = run.restore()
         if start >= config.steps:
-            raise ValueError(
+            raise UserError(
                 f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} to continue it"
             )
         checkpoint.truncate_metrics(metrics_path, start)
