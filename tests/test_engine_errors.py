@@ -162,10 +162,10 @@ def test_load_weights_errors_name_the_tensor_and_change_nothing(model, engine):
     ids = sequences(engine.vocab_size, lengths=(10,))[0]
     (before,) = engine.score([ids[:3]], [ids[3:]])
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="unknown rounding 'round-down'; supported: rne, stochastic, error-feedback"):
-        engine.load_weights(sd, rounding="round-down")
+    with pytest.raises(ValueError, match="unknown sync mode 'round-down'; supported: rne, stochastic, error-feedback"):
+        engine.load_weights(sd, sync="round-down")
     with pytest.raises(TypeError, match="pass the fp32 master"):  # engine-side SR rounds fp32 masters only
-        engine.load_weights(sd, rounding="stochastic")
+        engine.load_weights(sd, sync="stochastic")
     bad = dict(sd, **{"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)})
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight' has shape \(3, 3\)"):
         engine.load_weights(bad)

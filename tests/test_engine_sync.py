@@ -1,4 +1,4 @@
-"""Engine-side Fair Cast: ``Engine.load_weights(fp32 masters, rounding=...)`` rounds as ``roundalign.sync`` does.
+"""Engine-side Fair Cast: ``Engine.load_weights(fp32 masters, sync=...)`` rounds as ``roundalign.sync`` does.
 
 The export itself is checked against its formulas in tests/test_sync_export.py; here: the engine keeps one exporter
 per (rounding, seed) across calls, so its served copy follows the same sequence as a trainer-side Exporter, and bad
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roundalign.engine import ROUNDINGS, Engine
+from roundalign.engine import Engine
 from roundalign.models import path
-from roundalign.sync import Exporter
+from roundalign.sync import MODES, Exporter
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,12 @@ def _masters(engine, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("rounding", ["stochastic", "error-feedback"])
 def test_engine_side_export_follows_the_trainer_side_exporter_call_by_call(engine, rounding):
-    assert set(ROUNDINGS) == {"rne", "stochastic", "error-feedback"}
+    assert set(MODES) == {"rne", "stochastic", "error-feedback"}
     reference = Exporter(rounding, seed=11)
     changed = 0
     for step in range(3):
         masters = _masters(engine, step)
-        engine.load_weights(masters, rounding=rounding, seed=11)
+        engine.load_weights(masters, sync=rounding, seed=11)
         expected = reference.export(masters)
         served = engine.weights.state_dict()
         assert all(torch.equal(served[k], expected[k]) for k in expected)
@@ -45,6 +45,6 @@ def test_engine_side_export_follows_the_trainer_side_exporter_call_by_call(engin
 def test_engine_side_export_needs_fp32_masters_and_a_known_mode(engine):
     bf16 = {k: v.clone() for k, v in engine.weights.state_dict().items()}
     with pytest.raises(TypeError, match="fp32"):
-        engine.load_weights(bf16, rounding="stochastic")
-    with pytest.raises(ValueError, match="unknown rounding 'sr'; supported: rne, stochastic, error-feedback"):
-        engine.load_weights(bf16, rounding="sr")
+        engine.load_weights(bf16, sync="stochastic")
+    with pytest.raises(ValueError, match="unknown sync mode 'sr'; supported: rne, stochastic, error-feedback"):
+        engine.load_weights(bf16, sync="sr")

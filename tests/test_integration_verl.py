@@ -106,7 +106,7 @@ def test_exporter_state_round_trip_continues_bitwise():
 
 
 def test_exporter_bad_input():
-    with pytest.raises(ValueError, match="unknown export mode"):
+    with pytest.raises(ValueError, match="unknown sync mode"):
         ShardExporter("round")
     with pytest.raises(ValueError, match="bf16 only"):
         ShardExporter("stochastic", dtype=torch.float16)

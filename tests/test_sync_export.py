@@ -286,7 +286,7 @@ def test_exporter_load_state_dict_checks_its_configuration():
 
 def test_export_bad_input_errors():
     x = torch.randn(4)
-    with pytest.raises(ValueError, match="unknown export mode 'sr'.*rne, stochastic, error-feedback"):
+    with pytest.raises(ValueError, match="unknown sync mode 'sr'.*rne, stochastic, error-feedback"):
         export_bf16(x, "sr")
     with pytest.raises(TypeError, match="pass the fp32 master"):
         export_bf16(torch.arange(4), "rne")
@@ -305,7 +305,7 @@ def test_export_bad_input_errors():
         export_bf16(x, "error-feedback", ExportState(residual=torch.zeros(5)))
     with pytest.raises(TypeError, match="ExportState or None"):
         export_bf16(x, "stochastic", {"generator": None})
-    with pytest.raises(ValueError, match="unknown export mode"):
+    with pytest.raises(ValueError, match="unknown sync mode"):
         Exporter("nearest")
     with pytest.raises(ValueError, match="export dtype"):
         Exporter(dtype=torch.float8_e4m3fn)

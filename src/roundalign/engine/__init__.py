@@ -18,7 +18,7 @@ log-probs with ``roundalign probe --engine-logprobs dump.jsonl``. See docs/engin
 """
 
 from roundalign.engine.engine import BACKENDS, Engine, backends_for, check_backend
-from roundalign.engine.loader import ROUNDINGS, SUPPORTED_FAMILIES
+from roundalign.engine.loader import SUPPORTED_FAMILIES
 from roundalign.engine.sampling import SamplingParams
 
-__all__ = ["BACKENDS", "ROUNDINGS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams", "backends_for", "check_backend"]
+__all__ = ["BACKENDS", "SUPPORTED_FAMILIES", "Engine", "SamplingParams", "backends_for", "check_backend"]

@@ -237,20 +237,20 @@ class Engine:
         the one-sequence prefill's shapes in every step (docs/engine.md, decode-shape attribution).
         """
         if mode not in SCORE_MODES:
-            raise ValueError(f"unknown score mode {mode!r}; choose one of {', '.join(SCORE_MODES)}")
+            raise UserError(f"unknown score mode {mode!r}; choose one of {', '.join(SCORE_MODES)}")
         prompts, completions = self._prompt_ids(prompt_ids), [self._token_list(c, "completion") for c in completion_ids]
         if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions; pass one completion each")
+            raise UserError(f"{len(prompts)} prompts but {len(completions)} completions; pass one completion each")
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             self._check_ids(c, f"completion {i}", allow_empty=False)
             if len(p) + len(c) > self.max_model_len:
-                raise ValueError(
+                raise UserError(
                     f"prompt {i} + completion is {len(p) + len(c)} tokens, more than max_model_len {self.max_model_len}"
                 )
         shaped = self._check_shaped(prefill_shaped, mode)
         t = temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+            raise UserError(f"temperature must be a finite number > 0, got {t!r}")
         if mode == "prefill":
             return [
                 self._prefill_logprobs(p + c, temperature=t)[len(p) - 1 : -1].gather(1, torch.tensor(c)[:, None])[:, 0]
@@ -288,15 +288,15 @@ class Engine:
         ids = self._token_list(token_ids, "token_ids")
         self._check_ids(ids, "token_ids", allow_empty=False)
         if len(ids) > self.max_model_len:
-            raise ValueError(f"{len(ids)} tokens, more than max_model_len {self.max_model_len}")
+            raise UserError(f"{len(ids)} tokens, more than max_model_len {self.max_model_len}")
         return self._prefill_logprobs(ids, capture=True)[1]
 
-    def load_weights(self, state_dict: dict, rounding: str = "rne", seed: int = 0) -> None:
+    def load_weights(self, state_dict: dict, sync: str = "rne", seed: int = 0) -> None:
         """Replace the served copy from HF-named tensors (fp32 master, bf16 or fp16), rounding to the engine's dtype
-        per ``rounding`` (``"rne"``, or ``"stochastic"`` / ``"error-feedback"`` on fp32 masters, with state kept by
-        the engine per (rounding, seed): docs/sync.md); a weight that overflows the dtype (fp16: beyond 65504) is a
+        by the sync mode ``sync`` (``"rne"``, or ``"stochastic"`` / ``"error-feedback"`` on fp32 masters, with state
+        kept by the engine per (sync, seed): docs/sync.md); a weight that overflows the dtype (fp16: beyond 65504) is a
         ValueError. In place: a compiled graph keeps running without a recompile."""
-        self.weights.load(state_dict, rounding, seed)
+        self.weights.load(state_dict, sync, seed)
 
     # ----------------------------------------------------------------------------------------------------------
     # input checks
@@ -310,10 +310,10 @@ class Engine:
 
     def _check_ids(self, ids: list[int], what: str, allow_empty: bool = True) -> None:
         if not ids and not allow_empty:
-            raise ValueError(f"{what} is empty; pass at least one token id")
+            raise UserError(f"{what} is empty; pass at least one token id")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"{what} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size}); "
                 "check the tokenizer matches the model"
             )
@@ -325,7 +325,7 @@ class Engine:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise ValueError(
+                    raise UserError(
                         "string prompts need a tokenizer: load the engine from a directory with "
                         "tokenizer files, pass tokenizer=, or pass token ids"
                     )
@@ -333,7 +333,7 @@ class Engine:
             p = self._token_list(p, f"prompt {i}")
             self._check_ids(p, f"prompt {i}", allow_empty=False)
             if len(p) > self.max_model_len - 1:
-                raise ValueError(
+                raise UserError(
                     f"prompt {i} has {len(p)} tokens; max_model_len {self.max_model_len} leaves room "
                     f"for at most {self.max_model_len - 1} (prompts are never truncated)"
                 )
@@ -344,11 +344,11 @@ class Engine:
         parts = (prefill_shaped,) if isinstance(prefill_shaped, str) else tuple(prefill_shaped or ())
         unknown = [p for p in parts if p not in PrefillShapes.PARTS]
         if unknown:
-            raise ValueError(f"unknown prefill_shaped part(s) {unknown}; choose from {PrefillShapes.PARTS}")
+            raise UserError(f"unknown prefill_shaped part(s) {unknown}; choose from {PrefillShapes.PARTS}")
         if parts and mode != "decode":
-            raise ValueError("prefill_shaped applies to mode='decode' only (a prefill already has those shapes)")
+            raise UserError("prefill_shaped applies to mode='decode' only (a prefill already has those shapes)")
         if parts and self.backend != "kernels":
-            raise ValueError(
+            raise UserError(
                 "prefill_shaped needs the kernels backend; the inductor backend's compiled graph cannot "
                 "run a part with other shapes"
             )

@@ -9,7 +9,7 @@ modules hold tensors only; the numerics live in ``model.py`` (kernels backend) a
 
 Loading checks everything before it changes anything, and every error names the file or tensor and the fix:
 missing or corrupt model directory, unsupported family or attention/RoPE variant, unknown or missing tensors,
-wrong shapes, an unknown rounding mode, a weight that overflows the served dtype (fp16's largest finite value is
+wrong shapes, an unknown sync mode, a weight that overflows the served dtype (fp16's largest finite value is
 65504; a bf16 or fp32 weight beyond it would be served as inf).
 """
 
@@ -28,7 +28,6 @@ from roundalign.sync import MODES as EXPORT_MODES
 from roundalign.sync import Exporter
 
 SUPPORTED_FAMILIES = ENGINE_FAMILIES
-ROUNDINGS = EXPORT_MODES  # how load_weights rounds fp32 masters: roundalign.sync's export modes
 
 
 def check_config(config) -> None:
@@ -131,7 +130,7 @@ class ServedWeights(nn.Module):
         super().__init__()
         check_config(config)
         self.dtype = check_dtype(dtype)
-        self._exporters: dict[tuple[str, int], Exporter] = {}  # load(rounding="stochastic" / "error-feedback")
+        self._exporters: dict[tuple[str, int], Exporter] = {}  # load(sync="stochastic" / "error-feedback")
         family = config.model_type
         bias = bool(getattr(config, "attention_bias", False))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -151,16 +150,16 @@ class ServedWeights(nn.Module):
         return dict(self.state_dict(keep_vars=True))
 
     @torch.no_grad()
-    def load(self, state_dict: dict, rounding: str = "rne", seed: int = 0) -> None:
-        """Copy HF-named tensors (fp32, bf16 or fp16) into the served copy, rounding to the served dtype per
-        ``rounding``, in place. A finite weight that would become inf in the served dtype (fp16) is an error.
+    def load(self, state_dict: dict, sync: str = "rne", seed: int = 0) -> None:
+        """Copy HF-named tensors (fp32, bf16 or fp16) into the served copy, rounding to the served dtype by the sync
+        mode ``sync``, in place. A finite weight that would become inf in the served dtype (fp16) is an error.
 
-        ``rounding`` is one of ``roundalign.sync.MODES``. ``"rne"`` is the plain cast. ``"stochastic"`` and
-        ``"error-feedback"`` need fp32 masters and round with one ``roundalign.sync.Exporter`` per (mode, seed),
+        ``sync`` is one of ``roundalign.sync.MODES``. ``"rne"`` is the plain cast. ``"stochastic"`` and
+        ``"error-feedback"`` need fp32 masters and round with one ``roundalign.sync.Exporter`` per (sync, seed),
         kept across calls (its generators and residuals are this served copy's state): the engine-side Fair Cast,
         for frameworks that hand the engine fp32 tensors and let it cast them."""
-        if rounding not in ROUNDINGS:
-            raise UserError(f"unknown rounding {rounding!r}; supported: {', '.join(ROUNDINGS)}")
+        if sync not in EXPORT_MODES:
+            raise UserError(f"unknown sync mode {sync!r}; supported: {', '.join(EXPORT_MODES)}")
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_weights needs a dict of HF-named tensors (a state_dict), got {type(state_dict)}")
         expected = self.expected()
@@ -192,14 +191,14 @@ class ServedWeights(nn.Module):
                     "'model.embed_tokens.weight'; pass one of them, or untie the config"
                 )
         served = {}
-        if rounding != "rne":
-            exporter = self._exporters.get((rounding, seed))
+        if sync != "rne":
+            exporter = self._exporters.get((sync, seed))
             if exporter is None:
-                exporter = self._exporters[(rounding, seed)] = Exporter(rounding, seed=seed, dtype=self.dtype)
+                exporter = self._exporters[(sync, seed)] = Exporter(sync, seed=seed, dtype=self.dtype)
             exported = exporter.export({n: t.detach().cpu() for n, t in state_dict.items()})
         for name, src in state_dict.items():
             # RNE: torch's fp32 -> bf16/fp16 cast rounds to nearest, ties to even.
-            served[name] = exported[name] if rounding != "rne" else src.detach().to(device="cpu", dtype=self.dtype)
+            served[name] = exported[name] if sync != "rne" else src.detach().to(device="cpu", dtype=self.dtype)
             _check_overflow(name, src, served[name])
         for name, value in served.items():
             expected[name].copy_(value)  # in place: compiled graphs read these tensors
@@ -209,7 +208,7 @@ def _check_overflow(name: str, src: torch.Tensor, served: torch.Tensor) -> None:
     """A finite source value that rounds to inf: fp16's range ends at 65504, bf16's and fp32's near 3.4e38.
 
     Values below fp16's normal range only lose precision (subnormals, or 0 below 2^-25) and are accepted: that is
-    the rounding an fp16 engine applies too. An inf would poison every activation it touches, so it is refused.
+    the sync an fp16 engine applies too. An inf would poison every activation it touches, so it is refused.
     """
     bad = torch.isinf(served) & torch.isfinite(src.detach().cpu())
     if bad.any():

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from roundalign.errors import UserError
+
 LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -65,25 +67,25 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {p!r}")
+            raise UserError(f"top_p must be in (0, 1] (1 keeps every token), got {p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
+            raise UserError(
                 f"top_k must be an int: 0 or -1 to keep every token, k > 0 for the k most likely; got {self.top_k!r}"
             )
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be an int > 0, got {self.max_tokens!r}")
+            raise UserError(f"max_tokens must be an int > 0, got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise UserError(f"seed must be an int or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
             ids = tuple(self.stop_token_ids)
             if not all(_is_int(i) and i >= 0 for i in ids):
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+                raise UserError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise UserError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
     @property
     def greedy(self) -> bool:

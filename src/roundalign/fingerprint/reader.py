@@ -352,7 +352,7 @@ def check_results(results, where: str = "results") -> None:
                 f"{tag}: missing case(s) {missing}, unknown case(s) {extra}; rerun the runner on this battery"
             )
         for case in battery["cases"]:
-            want = R._expected_shapes(case)
+            want = R.expected_shapes(case)
             got = outputs[case["name"]]
             shapes = [(tuple(t.shape), t.dtype) for t in got] if isinstance(got, (list, tuple)) else got
             if shapes != [(s, B.DTYPE) for s in want]:

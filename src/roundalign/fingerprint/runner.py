@@ -175,7 +175,7 @@ def _case_graph(case: dict, a: Adapter):
     raise ValueError(f"battery case {case['name']!r} has unknown op {op!r}; this runner is too old for it")
 
 
-def _expected_shapes(case: dict) -> list[tuple]:
+def expected_shapes(case: dict) -> list[tuple]:
     w = case["inputs"]
     if case["op"] in ("silu_and_mul", "expert_silu_and_mul"):
         return [(*w["x"].shape[:-1], w["x"].shape[-1] // 2)]
@@ -198,7 +198,7 @@ def collect(battery: dict, adapter: Adapter, log=print) -> dict:
                 raise RuntimeError(
                     f"{adapter.engine} {adapter.mode}: case {name!r} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-            shapes = _expected_shapes(case)
+            shapes = expected_shapes(case)
             got = [(tuple(t.shape), t.dtype) for t in outs]
             if got != [(s, DTYPE) for s in shapes]:
                 raise RuntimeError(

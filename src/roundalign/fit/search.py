@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 import roundalign
+from roundalign.errors import UserError
 from roundalign.fit.space import Candidate, Space
 from roundalign.fit.verdict import KEYS, fitted_profile, margin, regions_verdict, sign_test
 from roundalign.numerics.metrics import mismatch_metrics
@@ -252,10 +253,10 @@ def fit(
     changes (pruning lowers it). Raises ``DumpNotExplained`` for a dump no rounding rule explains.
     """
     if not rollouts:
-        raise ValueError("the dump holds no rollouts; fit needs at least one scored completion")
+        raise UserError("the dump holds no rollouts; fit needs at least one scored completion")
     for i, r in enumerate(rollouts):
         if r.logprobs is None or len(r.logprobs) != len(r.token_ids):
-            raise ValueError(f"rollout {i} needs one engine log-prob per completion token")
+            raise UserError(f"rollout {i} needs one engine log-prob per completion token")
     trainer = TrainerSide(model)  # refuses a patched model
     space = Space.of(model)
     data = {i: torch.tensor(r.logprobs, dtype=torch.float32) for i, r in enumerate(rollouts)}

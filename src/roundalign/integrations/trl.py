@@ -19,7 +19,7 @@ A TRL user keeps ``GRPOTrainer`` and adds a few lines (docs/trl.md)::
   the sampler's per-token log-probs, ``processed`` as vLLM's ``processed_logprobs``), so TRL trains on the engine's
   samples as it would on vLLM's.
 - After every optimizer step the fp32 master is exported to the engine with a ``roundalign.sync`` mode (``rne``,
-  ``stochastic``, ``error-feedback``: ``Engine.load_weights(master, rounding=, seed=)``), from the unwrapped policy,
+  ``stochastic``, ``error-feedback``: ``Engine.load_weights(master, sync=, seed=)``), from the unwrapped policy,
   so under DDP every rank syncs its own engine from its own replica (same seed: the same served copy).
 
 **TRL 1.16 applies no importance-sampling correction to a ``rollout_func``'s log-probs unless ``use_vllm`` is on**
@@ -228,7 +228,7 @@ class EngineRolloutFunc:
         policy = unwrap_policy(self.trainer)
         with torch.no_grad():
             master = {name: t.detach() for name, t in policy.state_dict().items()}
-            self.engine.load_weights(master, rounding=self.sync_mode, seed=self.seed)
+            self.engine.load_weights(master, sync=self.sync_mode, seed=self.seed)
         self.syncs += 1
         self._synced_step = self.trainer.state.global_step
         if self.tracker is None:

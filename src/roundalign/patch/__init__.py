@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from roundalign.patch._common import AlignedDecoderLayer
 from roundalign.patch.registry import FAMILIES, Family
 from roundalign.profiles import Profile, QKNormRule, RopeAngles, RopeRounding, get_profile
 from roundalign.rotary import engine_inv_freq
@@ -185,4 +186,4 @@ def revert(model):
     return model
 
 
-__all__ = ["apply", "family_of", "patched_profile", "revert", "supported_model_types"]
+__all__ = ["AlignedDecoderLayer", "apply", "family_of", "patched_profile", "revert", "supported_model_types"]

@@ -22,7 +22,7 @@ round up to the next power of two (``2^128`` for bf16, ``2^16`` for fp16); value
 as with RNE near the top. Error feedback cannot carry an infinite residual, so where the served value is not finite
 its residual is reset to zero.
 
-``Exporter`` applies one mode to a whole HF-named state_dict each step, with per-tensor state seeded from
+``Exporter`` applies one sync mode to a whole HF-named state_dict each step, with per-tensor state seeded from
 ``(seed, name)`` by SHA-256, so exports do not depend on dict order or ``PYTHONHASHSEED``.
 """
 
@@ -59,9 +59,9 @@ class ExportState:
         return cls(generator=generator)
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown export mode {mode!r}; the modes are: {', '.join(MODES)}")
+def _check_sync(sync: str) -> None:
+    if sync not in MODES:
+        raise ValueError(f"unknown sync mode {sync!r}; the modes are: {', '.join(MODES)}")
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -188,26 +188,27 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
 
 def export_bf16(
     master: torch.Tensor,
-    mode: str = "rne",
+    sync: str = "rne",
     state: ExportState | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Export an fp32 master tensor as a new ``dtype`` (bf16 or fp16) tensor for the rollout engine.
 
-    ``mode``: ``"rne"`` (``master.to(dtype)``), ``"stochastic"`` (unbiased SR with noise from
+    ``sync`` (the sync mode, ``--sync`` on the command line): ``"rne"`` (``master.to(dtype)``), ``"stochastic"``
+    (unbiased SR with noise from
     ``state.generator``; make the state with ``ExportState.seeded(seed)`` and keep it across steps) or
     ``"error-feedback"`` (``v = master + state.residual``, ``served = v.to(dtype)``, ``state.residual = v - served``;
     ``ExportState()`` starts from a zero residual). Each tensor needs its own state. The master may live on any
     device; SR draws its noise on the CPU generator and moves it there.
     """
-    _check_mode(mode)
+    _check_sync(sync)
     _check_dtype(dtype)
     _check_master(master)
     if state is not None and not isinstance(state, ExportState):
         raise TypeError(f"state must be an ExportState or None, got {type(state).__name__}")
-    if mode == "rne":
+    if sync == "rne":
         return master.to(dtype)
-    if mode == "stochastic":
+    if sync == "stochastic":
         if state is None or state.generator is None:
             raise ValueError(
                 "stochastic export needs a seeded generator per tensor: pass state=ExportState.seeded(seed) and keep "
@@ -233,7 +234,7 @@ def tensor_seed(seed: int, name: str) -> int:
 
 
 class Exporter:
-    """Exports a whole HF-named state_dict each step with one mode, keeping one ExportState per tensor name.
+    """Exports a whole HF-named state_dict each step with one sync mode, keeping one ExportState per tensor name.
 
     ``Exporter("stochastic", seed=0).export(master)`` returns ``{name: served}``. Stochastic states are seeded from
     ``(seed, name)`` (``tensor_seed``), so the result does not depend on dict order, and the same seed gives bitwise
@@ -241,20 +242,20 @@ class Exporter:
     per tensor and would lose it (or apply it to the wrong weights) if a tensor came and went.
     """
 
-    def __init__(self, mode: str = "rne", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
-        _check_mode(mode)
+    def __init__(self, sync: str = "rne", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
+        _check_sync(sync)
         _check_dtype(dtype)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.mode, self.seed, self.dtype = mode, seed, dtype
+        self.sync, self.seed, self.dtype = sync, seed, dtype
         self.steps = 0
         self._shapes: dict[str, tuple[int, ...]] | None = None  # fixed by the first export
         self._states: dict[str, ExportState] = {}
 
     def _new_state(self, name: str) -> ExportState | None:
-        if self.mode == "stochastic":
+        if self.sync == "stochastic":
             return ExportState.seeded(tensor_seed(self.seed, name))
-        return ExportState() if self.mode == "error-feedback" else None
+        return ExportState() if self.sync == "error-feedback" else None
 
     def _check_names(self, master: Mapping[str, torch.Tensor]) -> None:
         if not isinstance(master, Mapping):
@@ -283,7 +284,7 @@ class Exporter:
         if self._shapes is None:
             self._shapes = {name: tuple(t.shape) for name, t in master.items()}
             self._states = {name: self._new_state(name) for name in master}
-        served = {name: export_bf16(t, self.mode, self._states[name], self.dtype) for name, t in master.items()}
+        served = {name: export_bf16(t, self.sync, self._states[name], self.dtype) for name, t in master.items()}
         self.steps += 1
         return served
 
@@ -297,7 +298,8 @@ class Exporter:
                 residuals[name] = state.residual.detach().clone()
         shapes = None if self._shapes is None else {name: list(shape) for name, shape in self._shapes.items()}
         return {
-            "format": _STATE_FORMAT, "mode": self.mode, "seed": self.seed, "dtype": _dtype_name(self.dtype),
+            "format": _STATE_FORMAT, "mode": self.sync,  # "mode": the state format's key since format 1
+            "seed": self.seed, "dtype": _dtype_name(self.dtype),
             "steps": self.steps, "shapes": shapes, "generators": generators, "residuals": residuals,
         }  # fmt: skip
 
@@ -305,7 +307,7 @@ class Exporter:
         """Continue from ``state_dict()``'s output; the mode, seed and dtype must be this exporter's."""
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise ValueError("not an Exporter.state_dict() of this roundalign version (missing or unknown 'format')")
-        mine = {"mode": self.mode, "seed": self.seed, "dtype": _dtype_name(self.dtype)}
+        mine = {"mode": self.sync, "seed": self.seed, "dtype": _dtype_name(self.dtype)}
         differ = [f"{k}={state.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if state.get(k) != v]
         if differ:
             raise ValueError(f"state_dict is from a differently configured Exporter: {', '.join(differ)}")

@@ -46,18 +46,18 @@ class ShardExporter:
     stochastic rounding and RNE keep none.
     """
 
-    def __init__(self, mode: str = "stochastic", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown export mode {mode!r}; choose one of {', '.join(MODES)}")
+    def __init__(self, sync: str = "stochastic", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
+        if sync not in MODES:
+            raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(MODES)}")
         if dtype not in EXPORT_DTYPES:
             raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype}")
-        if mode == "stochastic" and dtype != torch.bfloat16:
+        if sync == "stochastic" and dtype != torch.bfloat16:
             # fp16 SR redraws noise for the elements below 2^-14 after the main pass, so a shard's noise would depend
             # on the small elements of the shards before it: no layout-independent block scheme.
             raise ValueError("stochastic export of shards supports bf16 only; use error-feedback for fp16 rollouts")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.mode, self.seed, self.dtype = mode, seed, dtype
+        self.sync, self.seed, self.dtype = sync, seed, dtype
         self.version = 0
         self._ef: dict[str, tuple[int, int, torch.Tensor]] = {}  # name -> (version, start, v = fl32(master + e))
 
@@ -75,9 +75,9 @@ class ShardExporter:
             )
         if start < 0:
             raise ValueError(f"{name}: start must be >= 0, got {start}")
-        if self.mode == "rne":
+        if self.sync == "rne":
             return local.to(self.dtype)
-        if self.mode == "stochastic":
+        if self.sync == "stochastic":
             return self._stochastic(name, local, start)
         return self._error_feedback(name, local, start)
 
@@ -122,11 +122,11 @@ class ShardExporter:
     def state_dict(self) -> dict:
         """Settings, version and error-feedback buffers (copies), to save with the trainer's checkpoint."""
         buffers = {name: (version, start, v.detach().cpu().clone()) for name, (version, start, v) in self._ef.items()}
-        return {"mode": self.mode, "seed": self.seed, "dtype": str(self.dtype), "version": self.version, "ef": buffers}
+        return {"mode": self.sync, "seed": self.seed, "dtype": str(self.dtype), "version": self.version, "ef": buffers}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``; the mode, seed and dtype must be this exporter's."""
-        mine = {"mode": self.mode, "seed": self.seed, "dtype": str(self.dtype)}
+        mine = {"mode": self.sync, "seed": self.seed, "dtype": str(self.dtype)}
         differ = [f"{k}={state.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if state.get(k) != v]
         if differ:
             raise ValueError(f"state_dict is from a differently configured ShardExporter: {', '.join(differ)}")

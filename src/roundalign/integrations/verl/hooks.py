@@ -122,7 +122,7 @@ def _check_layers_wrapped(model) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from roundalign.patch._common import AlignedDecoderLayer
+    from roundalign.patch import AlignedDecoderLayer
 
     layers = [m for m in model.modules() if isinstance(m, AlignedDecoderLayer)]
     fsdp1_units = {id(m._fsdp_wrapped_module) for m in model.modules() if isinstance(m, FSDP)}
