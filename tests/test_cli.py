@@ -90,7 +90,7 @@ def test_missing_rich_says_how_to_install_it(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich...` raise ImportError
     status, out, err = run(capsys, "profiles")
     assert status == ExitStatus.MISSING_DEPENDENCY == 6
-    assert "pip install 'roundalign[cli]'" in err
+    assert "pip install -e '.[cli]'" in err and "pip install rich" in err
     # --json needs no rich.
     status, out, _ = run(capsys, "profiles", "--json")
     assert status == 0 and json.loads(out)

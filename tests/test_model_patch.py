@@ -232,3 +232,26 @@ def test_a_family_whose_transformers_classes_were_replaced_is_refused():
 
     with pytest.raises(ImportError, match="before applying Liger"):
         define_family("qwen3", {"__name__": "tests.fake_family"}, norm=LigerRMSNorm)
+
+
+def test_what_a_profile_does_is_read_from_its_rules_not_its_name():
+    """A profile named ``hf`` with SGLang's rules patches as ``sglang`` does (and ``patched_profile`` says so); a
+    profile of another name with stock HF's rules leaves every module as it is, as ``hf`` does."""
+    import dataclasses
+
+    ids = token_ids()
+    sglang = roundalign.get_profile("sglang")
+    want = roundalign.apply(build("qwen3"), sglang)(ids).logits
+    fake_hf = dataclasses.replace(sglang, name="hf")
+    model = roundalign.apply(build("qwen3"), fake_hf)
+    assert not fake_hf.is_stock_hf and roundalign.patched_profile(model) is fake_hf
+    assert type(model.model.layers[0]).__name__.startswith("Aligned")
+    assert torch.equal(model(ids).logits, want)
+
+    stock = build("qwen3")
+    classes = [type(m) for m in stock.modules()]
+    renamed = dataclasses.replace(roundalign.get_profile("hf"), name="mine")
+    assert renamed.is_stock_hf and renamed.same_rules("hf") and not renamed.same_rules("liger")  # liger: fp32 angles
+    model = roundalign.apply(build("qwen3"), renamed)
+    assert [type(m) for m in model.modules()] == classes  # nothing swapped
+    assert torch.equal(model(ids).logits, stock(ids).logits)

@@ -55,7 +55,8 @@ class MissingDependency(UserError):
 
     def __init__(self, package: str, extra: str, purpose: str):
         super().__init__(
-            f"{purpose} needs {package}, which is in the [{extra}] extra: pip install 'roundalign[{extra}]'"
+            f"{purpose} needs {package}, which is in roundalign's [{extra}] extra: pip install -e '.[{extra}]' in "
+            f"your roundalign clone (or pip install {package})"
         )
 
 

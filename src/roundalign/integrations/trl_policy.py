@@ -78,7 +78,9 @@ def check_trainer(trainer) -> None:
     try:
         from trl import GRPOTrainer
     except ImportError as e:  # pragma: no cover - the [trl] extra is missing
-        raise ImportError("roundalign.integrations.trl needs TRL: pip install 'roundalign[trl]'") from e
+        raise ImportError(
+            "roundalign.integrations.trl needs TRL 1.16: pip install -e '.[trl]' in your roundalign clone"
+        ) from e
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"EngineRolloutFunc attaches to a trl.GRPOTrainer, got {type(trainer).__name__}")
     args = trainer.args
