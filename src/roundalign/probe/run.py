@@ -84,11 +84,11 @@ class ProbeConfig:
             self.__dict__, trainer_profiles=tuple(profiles), profiles=profiles, device=str(check_device(self.device))
         )
         if self.engine_logprobs is not None:
-            given = [flag(k) for k in _SAMPLING_ONLY if getattr(self, k) is not None]
-            if given:
+            ignored = [flag(k) for k in _SAMPLING_ONLY if getattr(self, k) is not None]
+            if ignored:
                 raise UserError(
                     f"--engine-logprobs replaces sampling with the dump's tokens and log-probs, so "
-                    f"{', '.join(given)} would be ignored; drop {'them' if len(given) > 1 else 'it'}"
+                    f"{', '.join(ignored)} would be ignored; drop {'them' if len(ignored) > 1 else 'it'}"
                 )
             return ProbeConfig(**fields)  # no engine internals: no per-layer or decode-shape experiment
         for key, default in SAMPLING_DEFAULTS.items():
