@@ -1,7 +1,7 @@
 """Detect an engine's rounding profile from the log-probs it dumped: ``roundalign fit``.
 
     from roundalign.fit import fit
-    result = fit(model, rollouts)      # rollouts: probe.trainer.Rollout with the engine's logprobs
+    result = fit(model, read_engine_logprobs(path, vocab_size=V, max_model_len=L))   # roundalign.rollouts
     result.profile.save("engine-profile.json")
 
 ``roundalign.fit.space`` is the rule space, ``roundalign.fit.search`` the search and its ranking, and
