@@ -262,40 +262,43 @@ def _evidence(region) -> str:
     )
 
 
+MATCH_RULE = (
+    "A rule matches when >= 99.9% of the elements equal it and every difference is 1 ulp at most; it is determined "
+    "when every other rule is under 99% in some case."
+)
+
+
+def _title(entry: dict) -> str:
+    return f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode"
+
+
+def _cells(region) -> tuple[str, str, str, str]:
+    """(rule, status, evidence, note) of one region, as both layouts print them."""
+    style = STATUS_STYLE[region.status]
+    return "\n".join(region.rules) or "-", f"[{style}]{region.status}[/{style}]", _evidence(region), region.note or ""
+
+
 def _tables(entry: dict, console) -> list:
     """One run's regions as a table, or, narrower than it, one block per region (nothing cut)."""
+    from rich.text import Text
+
     from roundalign.console import fits, key_value_table
 
     table = _table(entry)
     if fits(console, table):
         return [table]
-    title = f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode"
-    blocks = [key_value_table([("run", title), ("device", f"{entry['device']}, torch {entry['torch']}")])]
+    blocks = [key_value_table([("run", _title(entry)), ("device", f"{entry['device']}, torch {entry['torch']}")])]
     for name, region in entry["regions"].items():
-        style = STATUS_STYLE[region.status]
-        blocks.append(
-            key_value_table(
-                [
-                    ("rule", "\n".join(region.rules) or "-"),
-                    ("status", f"[{style}]{region.status}[/{style}]"),
-                    ("evidence", _evidence(region)),
-                    ("note", region.note or ""),
-                ],
-                title=f"[bold cyan]{name}[/]",
-            )
-        )
-    return blocks
+        cells = zip(("rule", "status", "evidence", "note"), _cells(region), strict=True)
+        blocks.append(key_value_table(list(cells), title=f"[bold cyan]{name}[/]"))
+    return [*blocks, Text(MATCH_RULE, style="dim")]
 
 
 def _table(entry: dict):
     from rich.table import Table
 
     table = Table(
-        title=f"{entry['engine']} {entry['engine_version']} -- {entry['mode']} mode",
-        caption=f"device {entry['device']}, torch {entry['torch']}. A rule matches when >= 99.9% of the "
-        "elements equal it and every difference is 1 ulp at most; it is determined when every "
-        "other rule is under 99% in some case.",
-        show_lines=True,
+        title=_title(entry), caption=f"device {entry['device']}, torch {entry['torch']}. {MATCH_RULE}", show_lines=True
     )
     table.add_column("region", style="bold cyan", no_wrap=True)
     table.add_column("rule", no_wrap=True)
@@ -303,8 +306,5 @@ def _table(entry: dict):
     table.add_column("evidence (best candidate per rule)", no_wrap=True)
     table.add_column("note", overflow="fold", ratio=1)
     for name, region in entry["regions"].items():
-        style = STATUS_STYLE[region.status]
-        table.add_row(
-            name, "\n".join(region.rules) or "-", f"[{style}]{region.status}[/{style}]", _evidence(region), region.note
-        )
+        table.add_row(name, *_cells(region))
     return table
