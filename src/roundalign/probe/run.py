@@ -31,8 +31,9 @@ from roundalign.errors import UserError, flag
 from roundalign.numerics import attribution as attr
 from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.probe.report import build_report
-from roundalign.profiles import Profile, get_profile
-from roundalign.rollouts import Rollout, read_rollouts
+from roundalign.profiles import Profile, describe_engine, for_engine, get_profile
+from roundalign.rollouts import Rollout
+from roundalign.rollouts.dumpdir import read_references
 from roundalign.trainer import TrainerSide, check_device, load_trainer_model
 
 DECODE_SHAPE_VARIANTS = ((), ("attention",), ("matmul",), ("attention", "matmul"))
@@ -54,7 +55,7 @@ class ProbeConfig:
     ``top_p``). ``validate()`` returns a checked copy with the defaults that depend on other fields filled in."""
 
     model: str | None = None  # None: the shipped tiny-qwen3
-    engine_profile: str = "vllm"
+    engine_profile: str | None = None  # None: vllm, or the profile of the real engine that ran (profiles.for_engine)
     trainer_profiles: tuple[str, ...] | None = None  # None: ("hf", engine_profile)
     backends: tuple[str, ...] | None = None  # None: every backend that implements the engine profile
     prompts: list[str] | list[list[int]] | None = None  # None: arithmetic word problems
@@ -63,7 +64,10 @@ class ProbeConfig:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    engine_logprobs: str | None = None  # a JSONL dump from a real engine, instead of sampling
+    engine_logprobs: str | None = None  # a real engine's dump (JSONL file, or roundalign dump's directory)
+    engine: str | None = None  # run this real engine (vllm, sglang) to sample, instead of the reference engine
+    enforce_eager: bool = False  # with engine="vllm": vLLM's enforce_eager mode
+    engine_python: str | None = None  # the Python that runs the engine (roundalign.dump.launch.engine_python)
     layer_sequences: int | None = None  # how many sequences the per-layer and decode-shape experiments run over
     device: str = "cpu"  # where the trainer's forwards run
     out: str = "probe-out"  # what the command line writes to (run_probe writes nothing)
@@ -77,11 +81,21 @@ class ProbeConfig:
         """Check every field, in the command line's terms; an option the chosen mode ignores is an error."""
         from roundalign.engine import BACKENDS, backends_for, check_backend
 
-        engine = get_profile(self.engine_profile)  # unknown name: UserError listing the profiles
+        if self.engine is not None:
+            return self._validate_real_engine()
+        if self.enforce_eager or self.engine_python is not None:
+            given = "--enforce-eager" if self.enforce_eager else "--engine-python"
+            raise UserError(f"{given} applies to a real engine's run; add --engine vllm")
+        name = self.engine_profile or _default_engine_profile(self.engine_logprobs)
+        engine = get_profile(name)  # unknown name: UserError listing the profiles
         given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or ("hf", engine)]
         profiles = {p.name: p for p in given}
         fields = dict(
-            self.__dict__, trainer_profiles=tuple(profiles), profiles=profiles, device=str(check_device(self.device))
+            self.__dict__,
+            engine_profile=name,
+            trainer_profiles=tuple(profiles),
+            profiles=profiles,
+            device=str(check_device(self.device)),
         )
         if self.engine_logprobs is not None:
             ignored = [flag(k) for k in _SAMPLING_ONLY if getattr(self, k) is not None]
@@ -112,6 +126,51 @@ class ProbeConfig:
         if cfg.prompts is not None and not cfg.prompts:
             raise UserError("no prompts: the prompt list is empty")
         return cfg
+
+    def _validate_real_engine(self) -> ProbeConfig:
+        """``--engine``: the real engine samples (in its own Python), then the run reads its dump directory."""
+        from roundalign.dump.cli import ENGINES
+        from roundalign.dump.launch import engine_python
+
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        wrong = [flag(k) for k in ("engine_logprobs", "backends", "layer_sequences") if getattr(self, k) is not None]
+        if wrong:
+            raise UserError(
+                f"--engine {self.engine} runs the real engine, so {', '.join(wrong)} would be ignored (--backends "
+                "and --layer-sequences are the reference engine's; --engine-logprobs reads a dump instead); drop "
+                f"{'them' if len(wrong) > 1 else 'it'}"
+            )
+        if self.enforce_eager and self.engine != "vllm":
+            raise UserError("--enforce-eager is a vLLM option")
+        for p in (self.engine_profile, *(self.trainer_profiles or ())):
+            if p is not None:
+                get_profile(self.profiles.get(p) or p)  # a wrong name fails now, not after the engine ran
+        fields = dict(self.__dict__, device=str(check_device(self.device)))
+        for key, default in SAMPLING_DEFAULTS.items():
+            if key != "layer_sequences":
+                fields[key] = default if fields[key] is None else fields[key]
+        fields["engine_python"] = engine_python(self.engine, self.engine_python)
+        cfg = ProbeConfig(**fields)
+        if cfg.num_samples <= 0 or cfg.max_tokens <= 0:
+            raise UserError("--num-samples and --max-tokens must be positive")
+        return cfg
+
+    def after_dump(self, dump_dir: str | Path) -> ProbeConfig:
+        """The same run, reading the dump the real engine wrote (its engine.json picks the default profile)."""
+        sampling = {k: None for k in (*SAMPLING_DEFAULTS, "prompts")}
+        fields = dict(self.__dict__, **sampling, engine=None, enforce_eager=False, engine_python=None)
+        return ProbeConfig(**{**fields, "engine_logprobs": str(dump_dir)}).validate()
+
+
+def _default_engine_profile(engine_logprobs: str | None) -> str:
+    """``vllm``, or for a dump directory the built-in profile of the engine build that wrote it."""
+    if engine_logprobs is not None and Path(engine_logprobs).is_dir():
+        from roundalign.profiles import for_engine
+        from roundalign.rollouts.dumpdir import read_info
+
+        return for_engine(read_info(engine_logprobs))
+    return "vllm"
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -148,14 +207,37 @@ def _shipped_model() -> Path:
 
 
 def _import(cfg: ProbeConfig, config, tick, notes):
-    """Rollouts and the one reference (``jsonl``) from a real engine's dump."""
+    """Rollouts and references from a real engine's dump: ``jsonl`` from a file; ``decode`` and ``prefill`` (under
+    the engine's name) from a dump directory. Returns (rollouts, refs, the dump's engine.json or None)."""
     tick("reading the engine's log-probs")
-    rollouts = read_rollouts(cfg.engine_logprobs, config)
+    rollouts, refs, info = read_references(cfg.engine_logprobs, config)
     notes.append(
         "per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
-        "available for imported log-probs"
+        "available for a real engine's log-probs"
     )
-    return rollouts, {("jsonl", "jsonl"): [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]}
+    backend = info["engine"] if info else "jsonl"
+    tensors = {(backend, ref): [torch.tensor(lp, dtype=torch.float32) for lp in lps] for ref, lps in refs.items()}
+    return rollouts, tensors, info
+
+
+def _run_engine(cfg: ProbeConfig, model_path: Path, tick) -> Path:
+    """Sample with the real engine in its own Python; returns the dump directory (inside ``cfg.out``)."""
+    from roundalign.dump.cli import DumpConfig
+    from roundalign.dump.launch import run_dump
+    from roundalign.engine.loader import read_tokenizer
+
+    prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
+    ids = _tokenize(prompts, read_tokenizer(model_path))  # the trainer's tokenizer: both sides see the same ids
+    dump_dir = Path(cfg.out) / "engine-dump"
+    dump = DumpConfig(
+        engine=cfg.engine, model=str(model_path), out=str(dump_dir), enforce_eager=cfg.enforce_eager,
+        num_samples=cfg.num_samples, max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        seed=cfg.seed,
+    )  # fmt: skip
+    mode = " --enforce-eager" if cfg.enforce_eager else ""
+    tick(f"running {cfg.engine}{mode}: {cfg.num_samples} completions, then prefill (its own Python)")
+    run_dump(dump, cfg.engine_python, ids)
+    return dump_dir
 
 
 def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, notes):
@@ -268,6 +350,9 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
     before each stage, for a progress bar (``plan(cfg)`` says how many stages there are)."""
     cfg = cfg.validate()
     tick = step or (lambda _desc: None)
+    if cfg.engine is not None:
+        model_path = Path(cfg.model) if cfg.model else _shipped_model()
+        cfg = cfg.after_dump(_run_engine(cfg, model_path, tick))
     notes = list(cfg.notes)
 
     tick("loading the model")
@@ -277,8 +362,15 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
     trainer = TrainerSide(hf_model)
     engine_profile = get_profile(cfg.engine_profile)
     imported = cfg.engine_logprobs is not None
+    real = None  # a dump directory's engine.json
     if imported:
-        (rollouts, refs), engines = _import(cfg, config, tick, notes), {}
+        (rollouts, refs, real), engines = _import(cfg, config, tick, notes), {}
+        if real is not None:
+            built_in = for_engine(real)
+            notes.append(
+                f"the dump's engine: {describe_engine(real)}, whose built-in profile is {built_in}"
+                + ("" if cfg.engine_profile == built_in else f"; this run's engine profile is {cfg.engine_profile}")
+            )
     else:
         rollouts, refs, engines = _sample(cfg, hf_model, model_path, engine_profile, tick, notes)
     hf_model.to(cfg.device)  # after the engines copied their weights from it: they serve from the CPU
@@ -314,14 +406,15 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
             "parameters": sum(p.numel() for p in hf_model.parameters()),
         },
         engine={
-            "source": "jsonl" if imported else "roundalign.engine",
+            "source": ("dump" if real else "jsonl") if imported else "roundalign.engine",
             "profile": engine_profile.to_dict(),
-            "backends": list(engines),
-            "sampling": None if imported else {
+            "backends": [real["engine"]] if real else list(engines),
+            "sampling": (real.get("sampling") if real else None) if imported else {
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed,
                 "num_samples": cfg.num_samples, "sampled_by": cfg.backends[0], "logprobs_mode": "raw",
             },
             "jsonl": str(cfg.engine_logprobs) if imported else None,
+            **({"real": {k: v for k, v in real.items() if k not in ("format", "version", "sampling")}} if real else {}),
         },
         tokens={
             "sequences": len(rollouts),
@@ -342,6 +435,9 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
 def plan(cfg: ProbeConfig) -> int:
     """How many times ``run_probe`` calls ``step``: the length of the progress bar."""
     cfg = cfg.validate()
+    if cfg.engine is not None:  # the profiles are known once the engine ran; by default hf and the engine's
+        given = cfg.trainer_profiles or ("hf", None)
+        return 1 + 1 + 1 + 1 + len(given) + sum(p != cfg.engine_profile for p in given)
     engine = get_profile(cfg.engine_profile)
     n_attr = sum(cfg.profiles[p] != engine for p in cfg.trainer_profiles)
     if cfg.engine_logprobs is not None:
