@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import roundalign
 from roundalign import models
 from roundalign.cli import main
 from roundalign.engine import Engine, SamplingParams
 from roundalign.fit import DumpNotExplained, Space, fit, sign_test
+from roundalign.fit import search as fit_search
 from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
 from roundalign.probe.run import default_prompts
@@ -30,6 +33,73 @@ from tests.cpu_kernels import gemm_rows_matter
 from tests.model_reference import reference_logits
 
 SCREEN = 40  # tokens: one sequence, so that the screening-and-pruning path runs on these small dumps
+
+
+def _weights_key(model) -> str:
+    """What decides a forward of ``model`` besides the rules and the tokens: its class, config and every weight."""
+    h = hashlib.sha256(f"{type(model).__qualname__}|{model.config.to_json_string()}".encode())
+    h.update(str(model.config._attn_implementation).encode())
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forwards_shared_across_fits():
+    """Every fit here re-scores the same completions with the same candidates: the engine's log-probs differ from
+    dump to dump, the trainer's forwards do not. A forward is deterministic (the same model, rules, tokens, GEMM
+    function and thread count give the same bits), so each such forward is computed once in this module and handed
+    to later fits as it was computed; a fit counts it as a forward all the same (its stats and progress are
+    unchanged), and ranks, prunes and checks exactly the log-probs it would have computed. The key holds the
+    weights' bytes (not the model object: the CLI loads its own copy of the shipped model, and a model built by one
+    test can reuse a freed one's id) and the current ``F.linear``, which ``gemm_rows_matter`` swaps. The first fit
+    to need a forward runs it for real, and every later fit runs one shared forward again as a check; the
+    sampler-shape forwards of the model check (``_Scorer.decode``) and every direct ``TrainerSide`` call in the
+    tests are never shared."""
+    computed: dict = {}
+    original = fit_search._Scorer.score
+
+    def score(self, entry, idxs):
+        todo = [i for i in idxs if i not in entry.logprobs]
+        if not todo:
+            return
+        if not hasattr(self, "_weights_key"):  # once per fit: the model is unpatched here, between candidates
+            self._weights_key = _weights_key(self.trainer.model)
+        keys = {
+            i: (
+                self._weights_key,
+                F.linear,
+                torch.get_num_threads(),
+                entry.candidate,
+                tuple(self.rollouts[i].prompt_token_ids),
+                tuple(self.rollouts[i].token_ids),
+            )
+            for i in todo
+        }
+        fresh = [i for i in todo if keys[i] not in computed]
+        if fresh:
+            original(self, entry, fresh)  # real forwards, counted and reported by fit itself
+            computed.update({keys[i]: entry.logprobs[i].clone() for i in fresh})
+        shared = [i for i in todo if i not in fresh]
+        if shared and not getattr(self, "_spot_checked", False):
+            # Once per fit, a shared forward is run again for real: were anything besides the key to change a
+            # forward (global state left by an earlier test), sharing would be wrong, and this fails.
+            self._spot_checked = True
+            with self.trainer.patched(self.space.profile(entry.candidate)) as model:
+                again = TrainerSide.token_logprobs(model, self.rollouts[shared[0]])
+            assert torch.equal(again, computed[keys[shared[0]]]), "a shared trainer forward is not reproducible"
+        for i in shared:
+            entry.logprobs[i] = computed[keys[i]].clone()
+            self.forwards += 1
+            self.progress(1)
+
+    fit_search._Scorer.score = score
+    try:
+        yield computed
+    finally:
+        fit_search._Scorer.score = original
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,320 @@
+"""``roundalign calibrate``: measure the installed engine build and write its rounding profile, with the evidence.
+
+    roundalign calibrate --engine vllm --model PATH                      # vLLM's default (compiled) mode
+    roundalign calibrate --engine vllm --enforce-eager --model PATH --out calibrate-eager
+
+Three measurements of the same engine, in its own Python (``roundalign.dump.launch``):
+
+1. **dump**: the engine samples ``--num-samples`` completions of ``--max-tokens`` tokens and scores them again in
+   prefill (``roundalign dump``; about 2,000 tokens by default).
+2. **fingerprint**: the op-level battery, shaped like the model, through the engine's own layers in the same mode
+   (``roundalign.fingerprint``): exact per-op answers, blind to what a whole-model graph fuses across ops.
+3. **fit**: every rule combination on the trainer side against the prefill dump (``roundalign.fit``): the whole
+   engine, kernels included, so a region can stay unclear where kernel differences drown it.
+
+The profile takes, per region, the fit's rule where the dump decides it, else the fingerprint's where the battery
+determines it, else the fit's best guess; ``calibration.json`` records each source and every disagreement. Then
+the profile, the fit's best, the engine build's built-in profile and stock ``hf`` are scored against both the
+sampler's (decode) and the prefill log-probs, so the file says how good the result is, not only what it is.
+Writes ``profile.json``, ``calibration.json``, ``dump/`` and ``fingerprint.pt`` into ``--out``. ``--dump DIR`` reuses
+a dump directory of the same engine and mode (from ``roundalign dump`` or ``probe --engine``) instead of step 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from roundalign.errors import ExitStatus, Failure, UserError
+
+RMS = "mismatch/log_ratio_rms"
+# 16 completions run to 125 tokens each (ignore_eos): 2,000 tokens, enough for the fit to decide what rounding does
+DUMP_DEFAULTS = {"num_samples": 16, "max_tokens": 125, "seed": 0}
+
+
+class NotExplained(Failure):
+    """No rounding profile explains the engine's dump (fit's model check): the engine served other weights."""
+
+    status = ExitStatus.NOT_FITTED
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """``roundalign calibrate``'s options (``--max-tokens`` is ``max_tokens``)."""
+
+    engine: str = "vllm"
+    enforce_eager: bool = False
+    model: str | None = None  # None: the shipped tiny-qwen3
+    out: str = "calibrate-out"
+    engine_python: str | None = None
+    num_samples: int | None = None  # None here and below: DUMP_DEFAULTS, when calibrate runs the dump
+    max_tokens: int | None = None
+    seed: int | None = None
+    device: str = "cpu"  # where the trainer side's forwards run
+    name: str | None = None  # None: calibrated-<engine>-<version>-<device>[-eager]
+    dump: str | None = None  # an existing roundalign dump directory of this engine and mode, instead of a new dump
+
+    def validate(self) -> CalibrateConfig:
+        from dataclasses import replace
+
+        from roundalign.dump.launch import engine_python
+        from roundalign.trainer import check_device
+
+        if self.engine != "vllm":
+            raise UserError(
+                f"--engine {self.engine}: calibrate runs vLLM (its fingerprint runner and dump); for SGLang, "
+                "run roundalign dump and roundalign fingerprint on its machine and roundalign fit on the dump"
+            )
+        given = [f"--{k.replace('_', '-')}" for k in DUMP_DEFAULTS if getattr(self, k) is not None]
+        if self.dump is not None and given:
+            raise UserError(f"--dump reuses a dump, so {', '.join(given)} would be ignored; drop them")
+        sizes = {k: DUMP_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in DUMP_DEFAULTS}
+        if sizes["num_samples"] <= 0 or sizes["max_tokens"] <= 0:
+            raise UserError("--num-samples and --max-tokens must be positive")
+        model = self.model or str(_shipped_model())
+        if not (Path(model) / "config.json").is_file():
+            raise UserError(f"--model {model}: no config.json there; give the HF model directory the engine serves")
+        if self.dump is not None:
+            from roundalign.rollouts.dumpdir import read_info
+
+            info = read_info(self.dump)  # not a dump directory: UserError naming it
+            if info["engine"] != self.engine or bool(info.get("enforce_eager")) != self.enforce_eager:
+                mode = "--enforce-eager" if info.get("enforce_eager") else "its default mode"
+                raise UserError(
+                    f"--dump {self.dump} was written by {info['engine']} in {mode}; calibrate the same engine and "
+                    "mode (the fingerprint runs in the mode given here), or drop --dump"
+                )
+        python = engine_python(self.engine, self.engine_python)
+        return replace(self, **sizes, model=model, engine_python=python, device=str(check_device(self.device)))
+
+
+def _shipped_model() -> Path:
+    from roundalign import models
+
+    return models.path("tiny-qwen3")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = CalibrateConfig()
+    a = parser.add_argument
+    a("--engine", required=True, choices=("vllm",), help="the engine to measure (its Python: --engine-python)")
+    a("--enforce-eager", action="store_true", help="measure vLLM's enforce_eager mode (default: its compiled mode)")
+    a("--model", metavar="PATH", help="HF model directory the engine serves (default: the shipped tiny-qwen3)")
+    a("--out", metavar="DIR", default=d.out, help=f"where the profile and the evidence go (default {d.out})")
+    a(
+        "--engine-python",
+        metavar="PATH",
+        help="the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one)",
+    )
+    a("--num-samples", type=int, help=f"completions in the dump (default {DUMP_DEFAULTS['num_samples']})")
+    a(
+        "--max-tokens",
+        type=int,
+        help=f"tokens per completion, each run to the end (default {DUMP_DEFAULTS['max_tokens']})",
+    )
+    a("--seed", type=int, help="sampling seed (default 0)")
+    a("--device", default=d.device, metavar="DEV", help="where the trainer side's forwards run (default cpu)")
+    a("--name", help="the profile's name (default calibrated-ENGINE-VERSION-DEVICE[-eager])")
+    a(
+        "--dump",
+        metavar="DIR",
+        help="use this roundalign dump directory (same engine and mode) instead of running a new dump; "
+        "--num-samples, --max-tokens and --seed then do not apply",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
+    from dataclasses import fields
+
+    return CalibrateConfig(**{f.name: getattr(args, f.name) for f in fields(CalibrateConfig)})
+
+
+def _fingerprint(cfg: CalibrateConfig, out: Path, device: str, log) -> dict:
+    """The battery shaped like the model, through the engine's layers in this mode; the reader's entry."""
+    from roundalign.dump.launch import EngineFailed
+    from roundalign.fingerprint.battery import model_constants, save_battery
+    from roundalign.fingerprint.reader import load_results, read_results
+
+    battery, results, logfile = out / "battery.pt", out / "fingerprint.pt", out / "fingerprint.log"
+    save_battery(battery, model=model_constants(cfg.model))
+    mode = "eager" if cfg.enforce_eager else "compiled"
+    args = [cfg.engine_python, "-m", "roundalign.fingerprint.runner", str(battery), "--engine", cfg.engine]
+    args += ["--modes", mode, "--device", device, "--out", str(results)]
+    results.unlink(missing_ok=True)
+    log(f"fingerprint battery ({mode}) through the engine's layers")
+    with logfile.open("w") as f:
+        proc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, check=False)
+    if not results.is_file():
+        tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-25:])
+        raise EngineFailed(f"the fingerprint runner exited with status {proc.returncode}; its log ({logfile}):\n{tail}")
+    return read_results(load_results(results))[0]
+
+
+def _combine(fit_regions: dict, fp_entry: dict, space) -> tuple[dict[str, str], dict]:
+    """Per searched region: the rule and where it came from (module docstring), and the evidence of both."""
+    fp_regions = {**fp_entry["regions"], **((fp_entry.get("model") or {}).get("regions") or {})}
+    rules, evidence = {}, {}
+    for region in space.regions:
+        f = fit_regions[region]
+        fp = fp_regions.get(region)
+        fp_rules = [str(r) for r in fp.rules] if fp is not None else []
+        fp_determined = fp is not None and fp.status == "determined"
+        if f["status"] == "determined":
+            rule, source = f["rule"], "fit (the dump decides it)"
+        elif fp_determined and (region != "rope" or fp_entry.get("model")):
+            rule, source = fp_rules[0], f"fingerprint (the fit left it {f['status']})"
+        else:
+            rule, source = f["rule"], f"fit's best ({f['status']}; the fingerprint: {fp.status if fp else 'absent'})"
+        agree = None if not fp_determined else f["rule"] in fp_rules
+        rules[region] = rule
+        evidence[region] = {
+            "rule": rule,
+            "source": source,
+            "fit": {k: v for k, v in f.items() if k in ("rule", "status", "z", "vs", "why")},
+            "fingerprint": None if fp is None else {"status": fp.status, "rules": fp_rules, "note": fp.note},
+            "fit_agrees_with_fingerprint": agree,
+        }
+    return rules, evidence
+
+
+def _score(model, rollouts, refs: dict, profiles: dict) -> dict:
+    """mismatch metrics of each profile against each reference (decode, prefill)."""
+    import torch
+
+    from roundalign.numerics.metrics import mismatch_metrics
+    from roundalign.trainer import TrainerSide
+
+    trainer = TrainerSide(model)
+    fp32, _ = trainer.fp32_logprobs(rollouts)
+    out = {}
+    for label, profile in profiles.items():
+        lp = trainer.logprobs(profile, rollouts)
+        out[label] = {
+            ref: mismatch_metrics(lp, [torch.tensor(x, dtype=torch.float32) for x in lps], fp32)
+            for ref, lps in refs.items()
+        }
+    return out
+
+
+def calibrate(cfg: CalibrateConfig, log=print) -> dict:
+    """Run the three measurements, write the profile and the evidence; returns calibration.json's content."""
+    from roundalign.dump.cli import DumpConfig
+    from roundalign.dump.launch import run_dump
+    from roundalign.engine.loader import read_tokenizer
+    from roundalign.fit.search import DumpNotExplained, fit
+    from roundalign.fit.space import Candidate, Space
+    from roundalign.probe.run import _tokenize, default_prompts
+    from roundalign.profiles import describe_engine, for_engine, get_profile
+    from roundalign.rollouts import Rollout
+    from roundalign.rollouts.dumpdir import read_dump
+    from roundalign.trainer import load_trainer_model
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = load_trainer_model(Path(cfg.model))
+    dump_dir = Path(cfg.dump) if cfg.dump else out / "dump"
+    seconds = {"dump": 0.0}
+    if cfg.dump is None:
+        ids = _tokenize(default_prompts(cfg.num_samples, cfg.seed), read_tokenizer(Path(cfg.model)))
+        dump_cfg = DumpConfig(
+            engine=cfg.engine, model=cfg.model, out=str(dump_dir), enforce_eager=cfg.enforce_eager,
+            num_samples=cfg.num_samples, max_tokens=cfg.max_tokens, seed=cfg.seed, ignore_eos=True,
+        )  # fmt: skip
+        log(f"dump: {cfg.engine} samples {cfg.num_samples} x {cfg.max_tokens} tokens, then scores them in prefill")
+        seconds["dump"] = run_dump(dump_cfg, cfg.engine_python, ids)
+    dump = read_dump(dump_dir, vocab_size=model.config.vocab_size,
+                     max_model_len=model.config.max_position_embeddings)  # fmt: skip
+    info = dump.info
+    t = time.perf_counter()
+    entry = _fingerprint(cfg, out, info.get("device", "cpu"), log)
+    seconds["fingerprint"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    log(f"fit: every rule combination against the prefill dump ({sum(len(r.token_ids) for r in dump.rollouts)} tokens)")
+    scored = [Rollout(r.prompt_token_ids, r.token_ids, lp) for r, lp in zip(dump.rollouts, dump.prefill, strict=True)]
+    model.to(cfg.device)
+    try:
+        result = fit(model, scored)
+    except DumpNotExplained as exc:  # the engine did not serve these weights, or returned processed log-probs
+        raise NotExplained(f"{exc} (calibrate's dump: {dump_dir})") from None
+    seconds["fit"] = time.perf_counter() - t
+    space = Space.of(model)
+    rules, evidence = _combine(result.regions, entry, space)
+
+    mode = "eager" if cfg.enforce_eager else "compiled"
+    version = info.get("engine_version", "?")
+    name = cfg.name or f"calibrated-{cfg.engine}-{version}-{info.get('device', 'cpu')}" + (
+        "-eager" if cfg.enforce_eager else ""
+    )
+    built_in = for_engine(info)
+    by_rms = min(result.ranking, key=lambda e: e.metrics[RMS])
+    contenders = {  # every profile the measurements support; the one closest to the engine is the result
+        "fit + fingerprint": Candidate(space.regions, tuple(rules[r] for r in space.regions)),
+        f"fit's best by {result.rank_by}": result.best.candidate,
+        "fit's best by RMS log-ratio": by_rms.candidate,
+        f"built-in {built_in}": space.key_of(built_in),
+    }
+    t = time.perf_counter()
+    log("scoring each contender, and hf, against decode and prefill")
+    profiles = {label: space.profile(c, name=label, fill=built_in) for label, c in contenders.items()}
+    metrics = _score(model, dump.rollouts, dump.references(), {**profiles, "hf": get_profile("hf")})
+    seconds["score"] = time.perf_counter() - t
+
+    def mean_rms(label: str) -> float:
+        return sum(m[RMS] for m in metrics[label].values()) / len(metrics[label])
+
+    chosen = min(contenders, key=mean_rms)  # ties: the first listed (the measured combination)
+    profile = space.profile(
+        contenders[chosen],
+        name=name,
+        fill=built_in,
+        engines=f"{describe_engine(info)}; calibrated on {Path(cfg.model).name}",
+        source=f"roundalign calibrate: the {chosen} (lowest RMS log-ratio against the engine's decode and prefill "
+        "log-probs among the measured contenders); per region, fit and fingerprint: "
+        + "; ".join(f"{r}: {e['source']}" for r, e in evidence.items())
+        + f"; regions the model does not exercise from {built_in}. Evidence: calibration.json",
+    )
+    seconds["total"] = time.perf_counter() - t0
+    profile.save(out / "profile.json")
+    report = {
+        "profile": profile.to_dict(),
+        "chosen": chosen,
+        "contenders": {label: c.as_dict() for label, c in contenders.items()},
+        "engine": {k: v for k, v in info.items() if k not in ("format", "version")},
+        "mode": mode,
+        "built_in": built_in,
+        "regions": evidence,
+        "not_exercised": space.idle,
+        "fit": {"best": result.best.candidate.as_dict(), "margin": result.margin, "stats": result.stats},
+        "metrics": metrics,
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+    }
+    (out / "calibration.json").write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
+    return report
+
+
+def run(cfg: CalibrateConfig) -> int:
+    from roundalign.console import key_value_table, make_console
+
+    console = make_console()
+    report = calibrate(cfg, log=lambda m: console.print(f"calibrate: {m}", highlight=False))
+    rows = [(r, f"{e['rule']}  ({e['source']})") for r, e in report["regions"].items()]
+    console.print(key_value_table(rows, title="per region: what the fit and the fingerprint say"))
+    console.print(f"profile {report['profile']['name']}: the {report['chosen']}", highlight=False)
+    for label, refs in report["metrics"].items():  # every contender, and stock hf
+        cells = "; ".join(
+            f"{ref}: bitwise {m['mismatch/bitwise_equal_frac']:.3f}, rms {m['mismatch/log_ratio_rms']:.3g}, "
+            f"k3 {m['rollout_corr/k3_kl']:.2e}"
+            for ref, m in refs.items()
+        )
+        console.print(f"  {label:28s} {cells}", highlight=False)
+    disagree = [r for r, e in report["regions"].items() if e["fit_agrees_with_fingerprint"] is False]
+    if disagree:
+        console.print(f"fit and fingerprint disagree on: {', '.join(disagree)} (calibration.json has both)")
+    console.print(f"profile: {Path(cfg.out) / 'profile.json'}; evidence: {Path(cfg.out) / 'calibration.json'}")
+    return ExitStatus.OK

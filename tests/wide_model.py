@@ -1,0 +1,57 @@
+"""A higher-entropy Qwen3 of another shape than the shipped one, for the real-engine tests and their figures.
+
+The shipped tiny-qwen3 is trained and very confident (about 0.05 nats at its sampled tokens), which flatters
+bitwise-equal fractions: most tokens have a log-prob near 0, where bf16 differences vanish. This model is random
+but scaled so that its next-token distributions carry about 1.2 nats, as a trained model on open-ended text does,
+and it differs in shape: head_dim 128 (the common size of real Qwen3/Llama models), hidden 512, 6 layers, GQA 8:2,
+untied embeddings. It reuses the shipped tokenizer (vocabulary 264), so the same prompts run on both.
+
+    python tests/wide_model.py OUT_DIR      # build it (deterministic: seed 0), as the tests do
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SEED = 0
+INIT_STD = 0.08
+# The LM head is scaled up so that next-token entropies are about 1.2 nats (measured on random prompts: 4.1 nats
+# unscaled, 2.0 at x2, 1.2 at x3, 0.8 at x4).
+LOGIT_SCALE = 3.0
+
+
+def build(out: str | Path) -> Path:
+    """Write the model (bf16 safetensors, config, the shipped tokenizer) into ``out``; returns ``out``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from roundalign import models
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    shipped = models.path("tiny-qwen3")
+    config = Qwen3Config(
+        vocab_size=264, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=512, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # random norm weights around 1, so the norms' rounding is not a multiply by exactly 1
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(shipped / name, out / name)
+    return out
+
+
+if __name__ == "__main__":
+    print(build(sys.argv[1]))
