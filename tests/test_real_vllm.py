@@ -9,7 +9,6 @@ for. They run the engine as a subprocess in its own Python (``engine_python``, t
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
