@@ -28,14 +28,16 @@ def make_console(purpose: str = "the tables"):
 
 def fits(console, renderable) -> bool:
     """Whether ``renderable`` prints at ``console``'s width without rich cutting a no-wrap cell (a formula, a
-    number, a rule name), which it marks with an ellipsis: rendered once off screen at that width to find out."""
+    number, a rule name), which it marks with an ellipsis, or cropping lines wider than the console (a table
+    whose no-wrap columns alone are wider): rendered once off screen, uncropped, at that width to find out."""
     import io
 
     from rich.console import Console
 
     trial = Console(width=console.width, file=io.StringIO(), color_system=None, force_terminal=False)
-    trial.print(renderable)
-    return "…" not in trial.file.getvalue()
+    trial.print(renderable, crop=False)  # uncropped: a table wider than the console shows as longer lines
+    text = trial.file.getvalue()
+    return "…" not in text and all(len(line) <= console.width for line in text.splitlines())
 
 
 def key_value_table(rows: list[tuple[str, str]], title: str | None = None):
