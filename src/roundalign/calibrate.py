@@ -12,10 +12,14 @@ Three measurements of the same engine, in its own Python (``roundalign.dump.laun
 3. **fit**: every rule combination on the trainer side against the prefill dump (``roundalign.fit``): the whole
    engine, kernels included, so a region can stay unclear where kernel differences drown it.
 
-The profile takes, per region, the fit's rule where the dump decides it, else the fingerprint's where the battery
-determines it, else the fit's best guess; ``calibration.json`` records each source and every disagreement. Then
-the profile, the fit's best, the engine build's built-in profile and stock ``hf`` are scored against both the
-sampler's (decode) and the prefill log-probs, so the file says how good the result is, not only what it is.
+A region is settled by the fit where the dump decides it, else by the fingerprint where the battery determines it;
+``calibration.json`` records each source and every disagreement. The contenders are the rules that agree with
+every settled region: the combination (the fit's best guess in the open regions), the fit's best and its best by
+RMS log-ratio among the agreeing candidates, and the engine build's built-in profile. Each, and stock ``hf``, is
+scored against both the sampler's (decode) and the prefill log-probs, and the closest (lowest RMS log-ratio) is
+saved, so the file says how good the result is, not only what it is. A candidate that contradicts a settled region
+is never chosen, however its RMS looks: where kernels drown the rounding (vLLM's eager CPU kernels truncate on CPUs
+without AVX512-BF16), a dump can prefer a wrong rule.
 Writes ``profile.json``, ``calibration.json``, ``dump/`` and ``fingerprint.pt`` into ``--out``. ``--dump DIR`` reuses
 a dump directory of the same engine and mode (from ``roundalign dump`` or ``probe --engine``) instead of step 1.
 """
@@ -252,13 +256,21 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
         "-eager" if cfg.enforce_eager else ""
     )
     built_in = for_engine(info)
-    by_rms = min(result.ranking, key=lambda e: e.metrics[RMS])
-    contenders = {  # every profile the measurements support; the one closest to the engine is the result
-        "fit + fingerprint": Candidate(space.regions, tuple(rules[r] for r in space.regions)),
-        f"fit's best by {result.rank_by}": result.best.candidate,
-        "fit's best by RMS log-ratio": by_rms.candidate,
-        f"built-in {built_in}": space.key_of(built_in),
-    }
+    # A region decided by either measurement is settled: a contender must agree with it (the fit's dump can prefer
+    # a wrong rule by RMS where kernels drown the rounding, as truncating CPU kernels do in vLLM's eager mode).
+    settled = {r: e["rule"] for r, e in evidence.items() if not e["source"].startswith("fit's best")}
+
+    def consistent(c: Candidate) -> bool:
+        return all(c.rule(r) == rule for r, rule in settled.items())
+
+    agreeing = [e for e in result.ranking if consistent(e.candidate)]
+    contenders = {"fit + fingerprint": Candidate(space.regions, tuple(rules[r] for r in space.regions))}
+    if agreeing:
+        contenders[f"fit's best by {result.rank_by}, agreeing with the settled regions"] = agreeing[0].candidate
+        by_rms = min(agreeing, key=lambda e: e.metrics[RMS])
+        contenders["fit's best by RMS log-ratio, agreeing with the settled regions"] = by_rms.candidate
+    if consistent(space.key_of(built_in)):
+        contenders[f"built-in {built_in}"] = space.key_of(built_in)
     t = time.perf_counter()
     log("scoring each contender, and hf, against decode and prefill")
     profiles = {label: space.profile(c, name=label, fill=built_in) for label, c in contenders.items()}
@@ -284,6 +296,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
     report = {
         "profile": profile.to_dict(),
         "chosen": chosen,
+        "settled": settled,
         "contenders": {label: c.as_dict() for label, c in contenders.items()},
         "engine": {k: v for k, v in info.items() if k not in ("format", "version")},
         "mode": mode,
