@@ -213,7 +213,7 @@ def _import(cfg: ProbeConfig, config, tick, notes):
     rollouts, refs, info = read_references(cfg.engine_logprobs, config)
     notes.append(
         "per-layer agreement and the decode-shape experiment need the engine's internals; they are not "
-        "available for a real engine's log-probs"
+        "available for imported log-probs (a real engine's dump)"
     )
     backend = info["engine"] if info else "jsonl"
     tensors = {(backend, ref): [torch.tensor(lp, dtype=torch.float32) for lp in lps] for ref, lps in refs.items()}
