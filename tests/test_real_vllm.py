@@ -130,3 +130,20 @@ def test_calibrate_measures_the_build(probed, engine_python, capsys):
     for region, rule in report["contenders"][report["chosen"]].items():  # the saved file is that contender
         assert str(saved.rope_for(64) if region == "rope" else getattr(saved, region)) == rule
     assert report["engine"]["engine_version"] == "0.32.0" and report["seconds"]["dump"] == 0.0
+
+
+def test_the_wide_model_is_the_higher_entropy_model_the_docs_measure(tmp_path):
+    """docs/real-engines.md measures the profiles on tests/wide_model.py as well: another shape (head_dim 128) and
+    about 1 nat of next-token entropy, where the shipped model has 0.05 at its sampled tokens."""
+    import torch
+
+    from roundalign.trainer import load_trainer_model
+    from tests.wide_model import build
+
+    model = load_trainer_model(build(tmp_path / "wide"))
+    assert model.config.head_dim == 128 and model.config.num_hidden_layers == 6
+    ids = torch.randint(1, 264, (4, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1).mean().item()
+    assert 0.8 < entropy < 2.0, entropy
