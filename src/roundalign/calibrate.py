@@ -79,7 +79,9 @@ class CalibrateConfig:
         sizes = {k: DUMP_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in DUMP_DEFAULTS}
         if sizes["num_samples"] <= 0 or sizes["max_tokens"] <= 0:
             raise UserError("--num-samples and --max-tokens must be positive")
-        model = self.model or str(_shipped_model())
+        from roundalign import models
+
+        model = self.model or str(models.path())  # the shipped tiny-qwen3
         if not (Path(model) / "config.json").is_file():
             raise UserError(f"--model {model}: no config.json there; give the HF model directory the engine serves")
         if self.dump is not None:
@@ -94,12 +96,6 @@ class CalibrateConfig:
                 )
         python = engine_python(self.engine, self.engine_python)
         return replace(self, **sizes, model=model, engine_python=python, device=str(check_device(self.device)))
-
-
-def _shipped_model() -> Path:
-    from roundalign import models
-
-    return models.path("tiny-qwen3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

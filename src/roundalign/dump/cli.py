@@ -52,7 +52,9 @@ class DumpConfig:
                 "SGLang returns log-probs after temperature and top-p, so a dump must sample at --temperature 1 "
                 "--top-p 1, where they equal the raw log-probs a trainer computes"
             )
-        model = self.model or str(_shipped_model())
+        from roundalign import models
+
+        model = self.model or str(models.path())  # the shipped tiny-qwen3
         if not (Path(model) / "config.json").is_file():
             raise MissingFile(f"--model {model}: no config.json there; give the HF model directory the engine serves")
         for name in ("num_samples", "max_tokens"):
@@ -80,12 +82,6 @@ class DumpConfig:
                 raise UserError(f"prompt {i + 1} is empty")
             ids.append(list(t))
         return [ids[i % len(ids)] for i in range(self.num_samples)]
-
-
-def _shipped_model() -> Path:
-    from roundalign import models
-
-    return models.path("tiny-qwen3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
