@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from roundalign.errors import MissingFile, UserError
@@ -40,7 +40,6 @@ class DumpConfig:
     ignore_eos: bool = False
     max_model_len: int | None = None  # None: the model's
     memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (on its CPU build, a fraction of RAM)
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> DumpConfig:
         if self.engine not in ENGINES:
@@ -116,21 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> DumpConfig:
     from roundalign.probe.cli import read_prompts
 
-    return DumpConfig(
-        engine=args.engine,
-        model=args.model,
-        out=args.out,
-        enforce_eager=args.enforce_eager,
-        prompts=read_prompts(args.prompts) if args.prompts else None,
-        num_samples=args.num_samples,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        max_model_len=args.max_model_len,
-        memory_fraction=args.memory_fraction,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(DumpConfig)}  # options named as the fields
+    return DumpConfig(**{**given, "prompts": read_prompts(args.prompts) if args.prompts else None})
 
 
 def dump(cfg: DumpConfig, log=print) -> Path:

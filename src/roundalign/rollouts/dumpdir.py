@@ -34,10 +34,6 @@ class EngineDump:
     prefill: list[list[float]]
     info: dict
 
-    @property
-    def engine(self) -> str:
-        return self.info.get("engine", "engine")
-
     def references(self) -> dict[str, list[list[float]]]:
         return {"decode": [r.logprobs for r in self.rollouts], "prefill": self.prefill}
 
