@@ -34,6 +34,13 @@ def r(t: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
     return t.to(dtype)
 
 
+def t_(t: torch.Tensor) -> torch.Tensor:
+    """t(.): fp32 to bf16 by truncation, as vLLM's CPU vector code converts without AVX512-BF16: keep the top 16
+    bits of the fp32 bit pattern (an arithmetic shift of the int32 view; the low 16 bits of the result are the
+    pattern's high half whatever the sign)."""
+    return (t.to(FP32).view(torch.int32) >> 16).to(torch.int16).view(BF16)
+
+
 def f(t: torch.Tensor) -> torch.Tensor:
     """Upcast to fp32 (exact for bf16/fp16; identity for fp32)."""
     return t.to(FP32)
@@ -114,8 +121,9 @@ def add_rms_norm(a, h, w, eps, norm_rule, residual_rule):
 def rope(x, cos, sin, rounding, dtype=BF16):
     """NeoX RoPE. ``cos``/``sin`` already in the rule's dtype (c16 = r(c32) or c32), broadcastable to ``x``.
 
-    once:   o1 = r(x1*c - x2*s),            o2 = r(x2*c + x1*s)
-    per_op: o1 = r(r(x1*c) - r(x2*s)),      o2 = r(r(x2*c) + r(x1*s))
+    once:     o1 = r(x1*c - x2*s),            o2 = r(x2*c + x1*s)
+    truncate: o1 = t(x1*c - x2*s),            o2 = t(x2*c + x1*s)   (bf16 only)
+    per_op:   o1 = r(r(x1*c) - r(x2*s)),      o2 = r(r(x2*c) + r(x1*s))
     """
     half = x.shape[-1] // 2
     x32, c32, s32 = f(x), f(cos), f(sin)
@@ -125,6 +133,10 @@ def rope(x, cos, sin, rounding, dtype=BF16):
     if rounding == "once":
         o1 = r(x1 * c1 - x2 * s1, dtype)
         o2 = r(x2 * c2 + x1 * s2, dtype)
+    elif rounding == "truncate":
+        assert dtype == BF16, "truncation is written for bf16 (vLLM's CPU kernels)"
+        o1 = t_(x1 * c1 - x2 * s1)
+        o2 = t_(x2 * c2 + x1 * s2)
     elif rounding == "per_op":
         o1 = r(f(r(x1 * c1, dtype)) - f(r(x2 * s1, dtype)), dtype)
         o2 = r(f(r(x2 * c2, dtype)) + f(r(x1 * s2, dtype)), dtype)

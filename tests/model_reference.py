@@ -120,8 +120,10 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rule: RopeRule, *, f
 
     per_op: o1 = r(r(x1*c) - r(x2*s)), o2 = r(r(x2*c) + r(x1*s))      (HF: q*cos + rotate_half(q)*sin)
     once:   o1 = r(x1*c - x2*s),       o2 = r(x2*c + x1*s)
+    truncate: o1 = t(x1*c - x2*s),     o2 = t(x2*c + x1*s), t keeping the top 16 bits of the fp32 pattern
     ``fp32_input`` (qk_norm fused_into_rope): x is the unrounded norm output and RoPE's output is the only
-    rounding, i.e. "once" whatever the rule's rounding says (profiles.QKNormRule.FUSED_INTO_ROPE).
+    rounding, i.e. "once" whatever the rule's rounding says, or "truncate" under it
+    (profiles.QKNormRule.FUSED_INTO_ROPE).
     """
     half = x.shape[-1] // 2
     x32 = x if fp32_input else f(x)
@@ -129,6 +131,9 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rule: RopeRule, *, f
     if rule.rounding is RopeRounding.PER_OP and not fp32_input:
         o1 = r(f(r(x1 * c)) - f(r(x2 * s)))
         o2 = r(f(r(x2 * c)) + f(r(x1 * s)))
+    elif rule.rounding is RopeRounding.TRUNCATE:  # vLLM's CPU kernel without AVX512-BF16: the top 16 bits
+        o1 = ((x1 * c - x2 * s).view(torch.int32) >> 16).to(torch.int16).view(BF16)
+        o2 = ((x2 * c + x1 * s).view(torch.int32) >> 16).to(torch.int16).view(BF16)
     else:
         o1 = r(x1 * c - x2 * s)
         o2 = r(x2 * c + x1 * s)

@@ -38,7 +38,7 @@ _RULES = {
         "round_after_weight/round_at_attention",
         "round_after_weight/never_round",
     },
-    "rope": {"bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once"},
+    "rope": {"bf16/per_op", "bf16/once", "bf16/truncate", "fp32/per_op", "fp32/once"},
     "swiglu": {"round_silu", "once"},
 }
 # stock, every rule, and every rule's Inductor-fused variant (compiled=True)

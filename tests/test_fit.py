@@ -143,13 +143,13 @@ def test_space_covers_every_rule_combination_the_model_exercises(shipped):
     assert space.regions == ("rms_norm", "qk_norm", "residual", "rope", "swiglu")
     assert set(space.idle) == {"expert_swiglu"}
     cands = space.candidates()
-    assert len(cands) == len(set(cands)) == 2 * 3 * 4 * 4 * 2 == space.size()
+    assert len(cands) == len(set(cands)) == 2 * 3 * 4 * 5 * 2 == space.size()
     for region in space.regions:  # every rule of every region appears
         assert {c.rule(region) for c in cands} == {str(r) for r in RULES[region]}
     llama = Space.of(test_models.build("llama"))
-    assert set(llama.idle) == {"qk_norm", "expert_swiglu"} and llama.size() == 64
+    assert set(llama.idle) == {"qk_norm", "expert_swiglu"} and llama.size() == 80
     moe = Space.of(test_models.build("qwen3_moe"))  # mlp_only_layers=[1]: a dense layer too
-    assert moe.idle == {} and moe.size() == 384
+    assert moe.idle == {} and moe.size() == 480
     moe_only = Space.of(test_models.build("qwen3_moe", mlp_only_layers=[]))
     assert set(moe_only.idle) == {"swiglu"}
 
@@ -205,7 +205,7 @@ def test_pruning_agrees_with_the_exhaustive_search(shipped, completions):
     for profile, mode in (("vllm", "prefill"), ("hf", "decode")):
         dump = engine_dump(completions, profile, mode)
         pruned, full = fit(shipped, dump, screen_tokens=2 * SCREEN), fit(shipped, dump, exhaustive=True)
-        assert full.stats["screen_tokens"] == 0 and full.stats["forwards"] == 192 * len(dump)
+        assert full.stats["screen_tokens"] == 0 and full.stats["forwards"] == 240 * len(dump)
         if mode == "prefill":  # exact agreement decides fast: rules drop at screening
             assert pruned.stats["forwards"] < full.stats["forwards"]
         assert set(pruned.equivalents) <= set(full.equivalents)
@@ -349,7 +349,7 @@ def test_cli_writes_a_profile_the_other_commands_accept(completions, tmp_path, c
     )
     text = capsys.readouterr().out
     assert "fitted rule per region" in text and "sglang, aligned" in text
-    assert "192 candidates (2 x 3 x 4 x 4 x 2 rules" in text and "x 4 sequences (160 tokens) = 768 forwards" in text
+    assert "240 candidates (2 x 3 x 4 x 5 x 2 rules" in text and "x 4 sequences (160 tokens) = 960 forwards" in text
 
 
 def test_cli_refuses_a_wrong_checkpoint_with_status_5(shipped, completions, tmp_path, capsys):

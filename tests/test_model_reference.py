@@ -222,7 +222,7 @@ def _alternatives(region: str, model_type: str) -> list:
         "rms_norm": list(RMSNormRule),
         "qk_norm": list(QKNormRule),
         "residual": list(ResidualRule),
-        "rope": [RopeRule(c, r) for c in ("bf16", "fp32") for r in ("per_op", "once")],
+        "rope": [RopeRule(c, r) for c in ("bf16", "fp32") for r in ("per_op", "once")] + [RopeRule("bf16", "truncate")],
         "swiglu": list(SwiGLURule),
         "expert_swiglu": list(SwiGLURule),
     }[region]
@@ -267,6 +267,7 @@ def test_qk_norm_overrides_on_vllm(kind, rule):
         "te",  # fp32/once, rounded-sum residual
         "hf",  # bf16/per_op
         "sglang",  # head_dim 32 -> bf16/per_op
+        "vllm-0.32-cpu-eager-nobf16",  # bf16/truncate: the one conversion truncates
     ],
 )
 def test_qk_norm_fused_into_rope_rounds_once(base):

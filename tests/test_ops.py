@@ -51,6 +51,7 @@ OTHER = {
     "never_round": "normalize_rounded_sum",
     "per_op": "once",
     "once": "per_op",
+    "truncate": "once",
 }
 OTHER_SWIGLU = {"round_silu": "once", "once": "round_silu"}
 
@@ -647,6 +648,7 @@ def test_float64_turns_rounding_off():
     cos = torch.randn(3, 40, generator=g, dtype=torch.float64)
     sin = torch.randn(3, 40, generator=g, dtype=torch.float64)
     assert_bitwise_equal(ops.rope(x, cos, sin, "per_op"), ops.rope(x, cos, sin, "once"), "rope f64")
+    assert_bitwise_equal(ops.rope(x, cos, sin, "truncate"), ops.rope(x, cos, sin, "once"), "rope f64 truncate")
     assert_bitwise_equal(ops.swiglu(x, x, "round_silu"), ops.swiglu(x, x, "once"), "swiglu f64")
     assert ops.swiglu(x, x, "once").dtype == torch.float64
 

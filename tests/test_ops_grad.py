@@ -249,16 +249,18 @@ def test_grad_rope_per_op_bf16_is_stock_hf(head_dim):
     assert_grads_equal(got[:1], grads_of(lambda q: hf_rope(q, c, s), (q,), (gq,)), "rope per_op vs HF expression")
 
 
+@pytest.mark.parametrize("rounding", ["once", "truncate"])
 @pytest.mark.parametrize("cos_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_grad_rope_once_is_fp32_formula(head_dim, cos_dtype):
+def test_grad_rope_once_is_fp32_formula(head_dim, cos_dtype, rounding):
+    """One conversion at the output, to nearest or by truncation: straight-through, the fp32 formula's gradient."""
     g = gen(26)
     q, cos, sin = rope_case(head_dim, g, cos_dtype)
     c, s = cos[:, None], sin[:, None]
     gq = randn(q.shape, g)
-    got = grads_of(lambda q: ops.rope(q, c, s, "once"), (q,), (gq,))
+    got = grads_of(lambda q: ops.rope(q, c, s, rounding), (q,), (gq,))
     want = grads_of(lambda q: ref.rope(q, c, s, "once"), (q,), (gq,), leaf_dtype=FP32)
-    assert_grads_equal(got, want, f"rope once/{cos_dtype} vs fp32 formula")
+    assert_grads_equal(got, want, f"rope {rounding}/{cos_dtype} vs fp32 formula")
     hf = grads_of(lambda q: hf_rope(q, c.to(BF16), s.to(BF16)), (q,), (gq,))
     assert_not_bitwise_equal(got[0], hf[0], "once vs HF per-op gradient")
 
@@ -288,8 +290,10 @@ def test_grad_fused_qk_norm_rope_is_fp32_formula(cos_dtype, rounding):
     gy = randn((2, 3, 11, 128), g)
     chain = lambda q, w: ops.rope(ops.rms_norm(q, w, EPS, "fused_into_rope").transpose(1, 2), c, s, rounding)  # noqa
     got = grads_of(chain, (q, w), (gy,))
+    # Truncation, like rounding, is straight-through: its gradient is the once rule's, the fp32 formula's.
+    formula = "once" if rounding == "truncate" else rounding
     want = grads_of(
-        lambda q, w: ref.qk_norm_then_rope(q, w, EPS, "fused_into_rope", c, s, rounding), (q, w), (gy,), leaf_dtype=FP32
+        lambda q, w: ref.qk_norm_then_rope(q, w, EPS, "fused_into_rope", c, s, formula), (q, w), (gy,), leaf_dtype=FP32
     )
     assert_grads_equal(got, want, f"fused q_norm + rope {cos_dtype}/{rounding}")
 

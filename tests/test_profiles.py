@@ -102,7 +102,7 @@ def test_rule_enums_are_the_fact_sheet_choices():
     assert [r.value for r in RMSNormRule] == [BEFORE, AFTER]
     assert [r.value for r in QKNormRule] == [BEFORE, AFTER, "fused_into_rope"]
     assert [r.value for r in ResidualRule] == [ROUNDED, FP32_SUM, "round_at_attention", "never_round"]
-    assert [r.value for r in RopeRounding] == ["per_op", "once"]
+    assert [r.value for r in RopeRounding] == ["per_op", "once", "truncate"]  # truncate: vLLM CPU, no AVX512-BF16
     assert [r.value for r in CosSinDtype] == ["bf16", "fp32"]
     assert [r.value for r in SwiGLURule] == ["round_silu", "once"]
     assert REGIONS == ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
@@ -349,6 +349,7 @@ DESCRIBE = {
     ("rope", "bf16/once"): "r(x1*c16-x2*s16)",
     ("rope", "fp32/once"): "r(x1*c32-x2*s32)",
     ("rope", "fp32/per_op"): "r(r(x1*c32)-r(x2*s32))",
+    ("rope", "bf16/truncate"): "t(x1*c16-x2*s16)",
     ("swiglu", "round_silu"): "r(r(silu(g))*u)",
     ("swiglu", "once"): "r(silu(g)*u)",
     ("expert_swiglu", "round_silu"): "r(r(silu(g))*u)",

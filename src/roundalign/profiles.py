@@ -2,8 +2,8 @@
 
 A ``Profile`` names one rounding rule per element-wise region (RMSNorm, Qwen3's q/k norm, residual add,
 RoPE, SwiGLU, MoE experts' SwiGLU). The rules are small enums, each documented with its formula in the
-notation of ``docs/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even),
-everything inside one ``r(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
+notation of ``docs/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even), ``t(.)`` truncates
+it (toward zero), everything inside one ``r(...)`` or ``t(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
 
 The named profiles below are read off section 2 of that page, each with the engine versions it covers
 and its source. ``roundalign.apply(model, profile)`` turns a profile into patched modules; nothing else in the
@@ -71,6 +71,14 @@ class ResidualRule(_Rule):
 class RopeRounding(_Rule):
     PER_OP = "per_op"  # HF: r(r(x1 * c) - r(x2 * s))
     ONCE = "once"  # fused: r(x1 * c - x2 * s)
+    # vLLM's CPU rotary_embedding kernel on CPUs without AVX512-BF16: fp32 math, and the fp32 -> bf16 conversion
+    # keeps the top 16 bits (truncation toward zero): t(x1 * c - x2 * s)
+    TRUNCATE = "truncate"
+
+    def after_fused_norm(self) -> RopeRounding:
+        """The rounding when RoPE reads a q/k norm's fp32 output (``qk_norm="fused_into_rope"``): the chain converts
+        once, at RoPE's output, to nearest or, under ``truncate``, by truncation."""
+        return self if self is RopeRounding.TRUNCATE else RopeRounding.ONCE
 
 
 class CosSinDtype(_Rule):
@@ -273,6 +281,8 @@ def _rope_formula(rule: RopeRule) -> str:
     s = c.replace("c", "s")
     if rule.rounding is RopeRounding.PER_OP:
         return f"r(r(x1*{c})-r(x2*{s}))"
+    if rule.rounding is RopeRounding.TRUNCATE:
+        return f"t(x1*{c}-x2*{s})"
     return f"r(x1*{c}-x2*{s})"
 
 

@@ -37,7 +37,7 @@ from roundalign.engine.gemm import linear, logits
 from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
-from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule, RopeRounding
+from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -83,7 +83,7 @@ class KernelsModel:
         # profile's RoPE rounding (which still applies to families without a q/k norm), as roundalign.apply does.
         has_qk_norm = self.weights.model.layers[0].self_attn.q_norm is not None
         fused = has_qk_norm and profile.qk_norm is QKNormRule.FUSED_INTO_ROPE
-        self.rope_rounding = str(RopeRounding.ONCE if fused else rope.rounding)
+        self.rope_rounding = str(rope.rounding.after_fused_norm() if fused else rope.rounding)
         inv_freq, scaling = rope_inv_freq(config)
         # c16 = r(cos(theta)) in the model dtype (vLLM casts its cache to the model dtype), or c32.
         cache_dtype = dtype if rope.cos_sin is CosSinDtype.BF16 else torch.float32

@@ -3,11 +3,12 @@
 A candidate is one rule per region *that the model exercises*. A region the model has no module for (Qwen3's q/k
 norm in a Llama, the experts' SwiGLU in a dense model) cannot change a single log-prob, so it is not searched: it
 is reported as not determined by the data, and the fitted profile fills it from the nearest named profile. RoPE is
-searched as the four plain ``cos_sin/rounding`` rules: a model has one head_dim, so a ``HeadDimRope`` (SGLang's
-rule) acts on it as one of these four.
+searched as the plain ``cos_sin/rounding`` rules: the four that round to nearest, and ``bf16/truncate`` (vLLM's CPU
+kernel truncates on its bf16 cache; no engine truncates with an fp32 one). A model has one head_dim, so a
+``HeadDimRope`` (SGLang's rule) acts on it as one of these.
 
-Sizes: Qwen3 dense 2 x 3 x 4 x 4 x 2 = 192 candidates, Qwen3-MoE x 2 = 384 (if it has dense layers too), Qwen2 and
-Llama 2 x 4 x 4 x 2 = 64.
+Sizes: Qwen3 dense 2 x 3 x 4 x 5 x 2 = 240 candidates, Qwen3-MoE x 2 = 480 (if it has dense layers too), Qwen2 and
+Llama 2 x 4 x 5 x 2 = 80.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ RULES: dict[str, tuple] = {
     "rms_norm": tuple(RMSNormRule),
     "qk_norm": tuple(QKNormRule),
     "residual": tuple(ResidualRule),
-    "rope": tuple(RopeRule(c, r) for c in CosSinDtype for r in RopeRounding),
+    "rope": tuple(
+        RopeRule(c, r)
+        for c in CosSinDtype
+        for r in RopeRounding
+        if not (r is RopeRounding.TRUNCATE and c is CosSinDtype.FP32)
+    ),
     "swiglu": tuple(SwiGLURule),
     "expert_swiglu": tuple(SwiGLURule),
 }

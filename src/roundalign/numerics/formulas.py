@@ -1,5 +1,6 @@
 """The element-wise formulas of every rounding rule, as plain torch code: each ``.to(out_dtype)`` is a rounding
-point ``r(.)``, everything between two of them is fp32 (float64 under gradcheck).
+point ``r(.)``, each ``truncate(., out_dtype)`` a truncating one ``t(.)``, everything between two of them is fp32
+(float64 under gradcheck).
 
 One definition serves two users that must agree bit for bit: the trainer's aligned ops (``roundalign.ops``, which
 wrap these in custom ops with a backward) and the reference engine's ``kernels`` backend (``roundalign.engine``).
@@ -51,6 +52,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t(x)``: ``x`` converted to ``dtype`` rounding toward zero, as vLLM's CPU C++ kernels convert fp32 to bf16 on
+    CPUs without AVX512-BF16 (they keep the top 16 bits of the fp32 pattern).
+
+    Round to nearest, then step one unit back toward zero wherever that overshot: in the sign-magnitude bit pattern of
+    a 16-bit float, the next value toward zero is the pattern minus 1, whatever the sign. A value beyond the
+    largest finite one becomes the largest finite one, NaN stays NaN. Into a dtype as wide as ``x``'s nothing rounds.
+    """
+    y = x.to(dtype)
+    if dtype.itemsize >= x.dtype.itemsize:
+        return y
+    overshot = y.to(x.dtype).abs() > x.abs()
+    return torch.where(overshot, (y.view(torch.int16) - 1).view(dtype), y)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype):
     if rounding == RopeRounding.PER_OP:
         # HF's `(q * cos) + (rotate_half(q) * sin)`: each product rounds, then the sum does. With bf16 x and
@@ -60,6 +76,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, o
         acc = compute_dtype(x)
         x32 = x.to(acc)
         return (x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)).to(out_dtype)  # r(x1*c - x2*s)
+    if rounding == RopeRounding.TRUNCATE:
+        acc = compute_dtype(x)
+        x32 = x.to(acc)
+        return truncate(x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc), out_dtype)  # t(x1*c - x2*s)
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 

@@ -4,6 +4,8 @@ For the first half of a head, ``o1 = x1*c - x2*s`` (the second half, ``o2 = x2*c
 
 - ``per_op`` (HF, vLLM <= 0.17 CUDA, Liger):  ``r(r(x1*c) - r(x2*s))``  -- three roundings.
 - ``once`` (vLLM Inductor and >= 0.23 CUDA, FlashInfer, TE):  ``r(x1*c - x2*s)``  -- one rounding.
+- ``truncate`` (vLLM's CPU ``rotary_embedding`` on CPUs without AVX512-BF16):  ``t(x1*c - x2*s)``  -- one
+  conversion, toward zero. Its backward is ``once``'s: truncation, like rounding, is straight-through.
 
 ``c``/``s`` come in the profile's dtype: ``c16 = r(cos(theta))`` (the model's 16-bit dtype, bf16 or fp16) or
 ``c32 = cos(theta)``; see ``roundalign.rotary`` for how theta is computed. ``x`` is bf16/fp16, or the fp32 output of
@@ -39,7 +41,7 @@ def _rope_backward(
         g_sin = grad.to(torch.promote_types(x.dtype, sin.dtype))
         via_cos = (g_cos * cos).sum_to_size(shape).to(x.dtype)
         return via_cos + _rotate_half_backward((g_sin * sin).sum_to_size(shape).to(x.dtype))
-    if rounding == RopeRounding.ONCE:
+    if rounding in (RopeRounding.ONCE, RopeRounding.TRUNCATE):
         acc = compute_dtype(x)
         g = grad.to(acc)
         via_cos = (g * cos.to(acc)).sum_to_size(shape)

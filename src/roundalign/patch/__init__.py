@@ -14,7 +14,7 @@ import torch
 
 from roundalign.patch._common import AlignedDecoderLayer
 from roundalign.patch.registry import FAMILIES, Family
-from roundalign.profiles import Profile, QKNormRule, RopeAngles, RopeRounding, get_profile
+from roundalign.profiles import Profile, QKNormRule, RopeAngles, get_profile
 from roundalign.rotary import engine_inv_freq
 from roundalign.support import TRAINER_FAMILIES, check_trainer_model, head_dim
 
@@ -118,9 +118,10 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
         if role == "experts":
             return {"_roundalign_rule": prof.expert_swiglu}
         if role == "attention":
-            # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output, whatever
-            # the profile's RoPE rounding (which still applies where there is no q/k norm).
-            return {"_roundalign_rope": RopeRounding.ONCE if qk_fused else rope.rounding}
+            # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output (by
+            # truncation under a truncating rule), whatever the profile's RoPE rounding (which still applies where
+            # there is no q/k norm).
+            return {"_roundalign_rope": rope.rounding.after_fused_norm() if qk_fused else rope.rounding}
         if role == "decoder_layer":
             return {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name}
         if prof.rope_angles is RopeAngles.MODULE:  # rotary: HF's own buffer and scaling, read at each forward
