@@ -47,9 +47,11 @@ FACT_SHEET = {
     # MoE model run): the GPU profile's rule.
     "vllm-0.32-cpu": (AFTER, "fused_into_rope", "never_round", "bf16/once", "once", "round_silu"),
     # enforce_eager: RMSNorm's and SiluAndMul's native PyTorch code (the battery: r(w*r(x*nu)), fp32 sum read by
-    # the norm, r(r(silu(g))*u)); the C++ rotary kernel with a bf16 cache (rounds once; it truncates instead of
-    # rounding on CPUs without AVX512-BF16, which no rule expresses, docs/fingerprint.md).
+    # the norm, r(r(silu(g))*u)); the C++ rotary kernel with a bf16 cache, fp32 math and one conversion: to nearest
+    # where the CPU has AVX512-BF16 (vLLM's _C library), by truncation where not (_C_AVX2, _C_AVX512: a 16-bit shift
+    # of the fp32 pattern in csrc/cpu/cpu_types_x86.hpp), measured bitwise by the fingerprint (docs/fingerprint.md).
     "vllm-0.32-cpu-eager": (BEFORE, BEFORE, FP32_SUM, "bf16/once", "round_silu", "round_silu"),
+    "vllm-0.32-cpu-eager-nobf16": (BEFORE, BEFORE, FP32_SUM, "bf16/truncate", "round_silu", "round_silu"),
     # s2 "vLLM >= 0.23 enforce_eager": HF as is, except RoPE r(x1*c16 - x2*s16).
     "vllm-eager": (BEFORE, BEFORE, ROUNDED, "bf16/once", "round_silu", "round_silu"),
     # s2 "vLLM <= 0.17 enforce_eager": HF as is everywhere.
@@ -383,3 +385,29 @@ def test_str_forms():
     assert str(RopeRule("fp32", "once")) == "fp32/once"
     assert str(get_profile("sglang").rope) == "fp32/once if head_dim in {64,128,256,512} else bf16/per_op"
     assert RopeRule.parse(RopeRule("bf16", "once")) == RopeRule("bf16", "once")
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        # vLLM's compiled CPU mode is Inductor's code, which rounds to nearest on every CPU.
+        ({"device": "cpu", "enforce_eager": False, "cpu_bf16_conversion": "truncate"}, "vllm-0.32-cpu"),
+        ({"device": "cpu", "enforce_eager": True, "cpu_bf16_conversion": "round_to_nearest"}, "vllm-0.32-cpu-eager"),
+        ({"device": "cpu", "enforce_eager": True, "cpu_bf16_conversion": "truncate"}, "vllm-0.32-cpu-eager-nobf16"),
+        # Dumps written before engine.json recorded the conversion: AVX2 alone means no AVX512-BF16.
+        ({"device": "cpu", "enforce_eager": True, "cpu_capability": "AVX2"}, "vllm-0.32-cpu-eager-nobf16"),
+        ({"device": "cpu", "enforce_eager": True, "cpu_capability": "AVX512"}, "vllm-0.32-cpu-eager"),
+        # Builds with no measured profile fall back to the source-derived ones.
+        ({"device": "cuda", "enforce_eager": True}, "vllm-eager"),
+        ({"device": "cuda", "enforce_eager": False}, "vllm"),
+        ({"device": "cpu", "enforce_eager": True, "engine_version": "0.33.0"}, "vllm-eager"),
+        ({"engine": "sglang", "device": "cuda"}, "sglang"),
+    ],
+)
+def test_for_engine_picks_the_build_s_profile(info, expected):
+    from roundalign.profiles import describe_engine, for_engine
+
+    info = {"engine": "vllm", "engine_version": "0.32.0", **info}
+    assert for_engine(info) == expected
+    truncating = info.get("cpu_bf16_conversion") == "truncate" or info.get("cpu_capability") == "AVX2"
+    assert ("bf16 by truncation" in describe_engine(info)) is (truncating and info["device"] == "cpu")

