@@ -56,10 +56,14 @@ def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t(x)``: ``x`` converted to ``dtype`` rounding toward zero, as vLLM's CPU C++ kernels convert fp32 to bf16 on
     CPUs without AVX512-BF16 (they keep the top 16 bits of the fp32 pattern).
 
-    Round to nearest, then step one unit back toward zero wherever that overshot: in the sign-magnitude bit pattern of
-    a 16-bit float, the next value toward zero is the pattern minus 1, whatever the sign. A value beyond the
-    largest finite one becomes the largest finite one, NaN stays NaN. Into a dtype as wide as ``x``'s nothing rounds.
+    fp32 to bf16 clears the low 16 bits of the fp32 pattern, which leaves a bf16 value exactly (one integer ``and``
+    and an exact cast). Any other pair rounds to nearest, then steps one unit back toward zero wherever that
+    overshot: in the sign-magnitude bit pattern of a 16-bit float, the next value toward zero is the pattern minus
+    1, whatever the sign. A value beyond the largest finite one becomes the largest finite one, NaN stays NaN. Into
+    a dtype as wide as ``x``'s nothing rounds.
     """
+    if x.dtype == torch.float32 and dtype == torch.bfloat16:
+        return (x.view(torch.int32) & -65536).view(torch.float32).to(dtype)
     y = x.to(dtype)
     if dtype.itemsize >= x.dtype.itemsize:
         return y
