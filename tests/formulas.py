@@ -34,11 +34,22 @@ def r(t: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
     return t.to(dtype)
 
 
-def t_(t: torch.Tensor) -> torch.Tensor:
-    """t(.): fp32 to bf16 by truncation, as vLLM's CPU vector code converts without AVX512-BF16: keep the top 16
-    bits of the fp32 bit pattern (an arithmetic shift of the int32 view; the low 16 bits of the result are the
-    pattern's high half whatever the sign)."""
-    return (t.to(FP32).view(torch.int32) >> 16).to(torch.int16).view(BF16)
+def t_(t: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """t(.): to bf16 (or fp16) by truncation toward zero.
+
+    bf16, as vLLM's CPU vector code converts without AVX512-BF16: keep the top 16 bits of the fp32 bit pattern (an
+    arithmetic shift of the int32 view; the low 16 bits of the result are the pattern's high half whatever the
+    sign). fp16, by arithmetic in float64: |x| = m * 2^e (frexp, exact), the unit in the last place at that
+    exponent is 2^(max(e-1, -14) - 10) (subnormals below 2^-14), whole units are kept, finite values beyond the
+    largest fp16 (65504) become it, infinities stay."""
+    if dtype == BF16:
+        return (t.to(FP32).view(torch.int32) >> 16).to(torch.int16).view(BF16)
+    assert dtype == torch.float16, dtype
+    a = t.double().abs()
+    _, e = torch.frexp(a)
+    ulp = torch.pow(2.0, (torch.clamp(e - 1, min=-14) - 10).double())
+    kept = torch.where(torch.isinf(a), a, torch.clamp(torch.floor(a / ulp) * ulp, max=65504.0))
+    return torch.copysign(kept, t.double()).to(dtype)  # exact: every kept value is an fp16 value
 
 
 def f(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +133,7 @@ def rope(x, cos, sin, rounding, dtype=BF16):
     """NeoX RoPE. ``cos``/``sin`` already in the rule's dtype (c16 = r(c32) or c32), broadcastable to ``x``.
 
     once:     o1 = r(x1*c - x2*s),            o2 = r(x2*c + x1*s)
-    truncate: o1 = t(x1*c - x2*s),            o2 = t(x2*c + x1*s)   (bf16 only)
+    truncate: o1 = t(x1*c - x2*s),            o2 = t(x2*c + x1*s)
     per_op:   o1 = r(r(x1*c) - r(x2*s)),      o2 = r(r(x2*c) + r(x1*s))
     """
     half = x.shape[-1] // 2
@@ -134,9 +145,8 @@ def rope(x, cos, sin, rounding, dtype=BF16):
         o1 = r(x1 * c1 - x2 * s1, dtype)
         o2 = r(x2 * c2 + x1 * s2, dtype)
     elif rounding == "truncate":
-        assert dtype == BF16, "truncation is written for bf16 (vLLM's CPU kernels)"
-        o1 = t_(x1 * c1 - x2 * s1)
-        o2 = t_(x2 * c2 + x1 * s2)
+        o1 = t_(x1 * c1 - x2 * s1, dtype)
+        o2 = t_(x2 * c2 + x1 * s2, dtype)
     elif rounding == "per_op":
         o1 = r(f(r(x1 * c1, dtype)) - f(r(x2 * s1, dtype)), dtype)
         o2 = r(f(r(x2 * c2, dtype)) + f(r(x1 * s2, dtype)), dtype)

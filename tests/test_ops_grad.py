@@ -347,6 +347,9 @@ def rope_ref(rounding):
     def fn(x, cos, sin):
         if rounding == "once":
             return ref.rope(x, cos, sin, "once")
+        if rounding == "truncate":  # the truncated values, with once's (straight-through) gradient
+            once = ref.rope(x, cos, sin, "once")
+            return once + (ref.rope(x, cos, sin, "truncate") - once).detach()
         if x.dtype == BF16 and cos.dtype == BF16:
             return hf_rope(x, cos, sin)
         return (x * cos).to(BF16) + (rotate_half(x) * sin).to(BF16)

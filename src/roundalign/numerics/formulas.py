@@ -76,14 +76,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, o
         # HF's `(q * cos) + (rotate_half(q) * sin)`: each product rounds, then the sum does. With bf16 x and
         # cos the casts are no-ops and this is HF's expression exactly; with fp32 operands they round.
         return (x * cos).to(out_dtype) + (rotate_half(x) * sin).to(out_dtype)
-    if rounding == RopeRounding.ONCE:
+    if rounding in (RopeRounding.ONCE, RopeRounding.TRUNCATE):
         acc = compute_dtype(x)
         x32 = x.to(acc)
-        return (x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)).to(out_dtype)  # r(x1*c - x2*s)
-    if rounding == RopeRounding.TRUNCATE:
-        acc = compute_dtype(x)
-        x32 = x.to(acc)
-        return truncate(x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc), out_dtype)  # t(x1*c - x2*s)
+        rotated = x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)  # x1*c - x2*s, fp32
+        if rounding == RopeRounding.ONCE:
+            return rotated.to(out_dtype)  # r(x1*c - x2*s)
+        return truncate(rotated, out_dtype)  # t(x1*c - x2*s)
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 
