@@ -46,6 +46,7 @@ from model_step import measure_peak
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from roundalign import ops
+from roundalign.profiles import SEARCHED_ROPE_RULES
 
 # (hidden, intermediate, q heads, kv heads, head_dim), from the models' config.json.
 MODELS = {
@@ -155,7 +156,7 @@ def variants(op: str, model: str, seq: int) -> list[Variant]:
 
         out = [Variant("stock", stock, (q, k, cos16, sin16))]
         for cs, (cos, sin) in (("bf16", (cos16, sin16)), ("fp32", (cos32, sin32))):
-            roundings = ("per_op", "once", "truncate") if cs == "bf16" else ("per_op", "once")  # as fit's space
+            roundings = [str(r.rounding) for r in SEARCHED_ROPE_RULES if str(r.cos_sin) == cs]  # as fit's space
             for rounding, c in itertools.product(roundings, (False, True)):
 
                 def aligned(q, k, cos, sin, rounding=rounding, c=c):  # as AlignedAttention runs it

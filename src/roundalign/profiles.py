@@ -145,6 +145,15 @@ class HeadDimRope:
         return f"{self.rule} if head_dim in {{{dims}}} else {self.other}"
 
 
+# The RoPE rules at one head_dim that fit searches and the fingerprint reader tries: every cos/sin dtype x rounding
+# but truncation on an fp32 cache (truncation is vLLM's CPU kernel, whose cache is bf16; no engine does that).
+SEARCHED_ROPE_RULES = tuple(
+    RopeRule(c, r)
+    for c in CosSinDtype
+    for r in RopeRounding
+    if not (r is RopeRounding.TRUNCATE and c is CosSinDtype.FP32)
+)
+
 REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
 # Everything that decides a profile's numerics: the regions' rounding rules and where RoPE's angles come from. Two
 # profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).

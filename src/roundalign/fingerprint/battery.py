@@ -44,6 +44,7 @@ import torch
 from roundalign.engine.native import cos_sin_cache
 from roundalign.errors import MissingFile, UserError
 from roundalign.ops import rope, swiglu
+from roundalign.profiles import SEARCHED_ROPE_RULES
 
 FORMAT = "roundalign-fingerprint-battery"
 VERSION = 2
@@ -55,10 +56,10 @@ MAX_POSITION = 65536
 CANDIDATES = 8  # draws per rotated pair when picking near-tie RoPE inputs
 SWIGLU_CANDIDATES = 24  # per SwiGLU element: each draw separates the rules with p ~ 0.28
 
-ROPE_RULES = ("bf16/per_op", "bf16/once", "fp32/per_op", "fp32/once", "bf16/truncate")  # what the reader tries
+ROPE_RULES = tuple(map(str, SEARCHED_ROPE_RULES))  # what the reader tries
 # The inputs are picked where the rules that round to nearest disagree; truncation differs from them on about half
 # of all elements anyway, and keeping it out of the picking keeps the battery (version 2) what it was.
-NEAR_TIE_RULES = ROPE_RULES[:4]
+NEAR_TIE_RULES = tuple(r for r in ROPE_RULES if not r.endswith("/truncate"))
 
 
 def _gen(seed: int, index: int) -> torch.Generator:

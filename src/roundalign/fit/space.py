@@ -21,13 +21,11 @@ from roundalign.patch import family_of
 from roundalign.profiles import (
     PROFILES,
     REGIONS,
-    CosSinDtype,
+    SEARCHED_ROPE_RULES,
     Profile,
     QKNormRule,
     ResidualRule,
     RMSNormRule,
-    RopeRounding,
-    RopeRule,
     SwiGLURule,
     get_profile,
 )
@@ -36,12 +34,7 @@ RULES: dict[str, tuple] = {
     "rms_norm": tuple(RMSNormRule),
     "qk_norm": tuple(QKNormRule),
     "residual": tuple(ResidualRule),
-    "rope": tuple(
-        RopeRule(c, r)
-        for c in CosSinDtype
-        for r in RopeRounding
-        if not (r is RopeRounding.TRUNCATE and c is CosSinDtype.FP32)
-    ),
+    "rope": SEARCHED_ROPE_RULES,
     "swiglu": tuple(SwiGLURule),
     "expert_swiglu": tuple(SwiGLURule),
 }
