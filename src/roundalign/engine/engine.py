@@ -27,7 +27,7 @@ from roundalign.engine.model import KernelsModel
 from roundalign.engine.native import NativeModel
 from roundalign.engine.sampling import SamplingParams, process, request_generators, sample, token_logprobs
 from roundalign.errors import UserError
-from roundalign.profiles import get_profile
+from roundalign.profiles import AttentionKernel, GemmKernel, get_profile
 from roundalign.rollouts import Rollout
 
 BACKENDS = ("kernels", "inductor")
@@ -47,6 +47,11 @@ def check_backend(backend: str, profile) -> None:
     if backend not in BACKENDS:
         raise UserError(f"unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     profile = get_profile(profile)
+    if profile.attention is AttentionKernel.VLLM_CPU or profile.gemm is GemmKernel.VLLM_CPU:
+        raise UserError(
+            f"profile {profile.name!r} runs vLLM's kernels in the trainer; the reference engine computes with its "
+            f"own. Give the engine the rounding rules alone: {profile.rounding_only().name!r}"
+        )
     if backend not in backends_for(profile):
         raise UserError(
             f"the {backend} backend runs vLLM's compiled code, which rounds where the {INDUCTOR_PROFILE!r} profile "

