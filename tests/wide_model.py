@@ -6,7 +6,10 @@ but scaled so that its next-token distributions carry about 1.2 nats, as a train
 and it differs in shape: head_dim 128 (the common size of real Qwen3/Llama models), hidden 512, 6 layers, GQA 8:2,
 untied embeddings. It reuses the shipped tokenizer (vocabulary 264), so the same prompts run on both.
 
-    python tests/wide_model.py OUT_DIR      # build it (deterministic: seed 0), as the tests do
+``build_llama`` is the same idea in the other family the engine tests need: a Llama with head_dim 128 (hidden 256,
+2 query heads on 1 KV head, 3 layers), random with the same init and LM-head scale.
+
+    python tests/wide_model.py OUT_DIR [--llama]      # build it (deterministic: seed 0), as the tests do
 """
 
 from __future__ import annotations
@@ -56,5 +59,32 @@ def build(out: str | Path) -> Path:
     return out
 
 
+def build_llama(out: str | Path) -> Path:
+    """A random Llama (head_dim 128) in ``out``, like ``build``; returns ``out``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from roundalign import models
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    config = LlamaConfig(
+        vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, max_position_embeddings=512, rope_theta=500_000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(models.path("tiny-qwen3") / name, out / name)
+    return out
+
+
 if __name__ == "__main__":
-    print(build(sys.argv[1]))
+    print(build_llama(sys.argv[1]) if "--llama" in sys.argv[2:] else build(sys.argv[1]))
