@@ -156,3 +156,11 @@ def count_fp32_ties(t32: torch.Tensor) -> int:
     """How many fp32 values lie exactly halfway between two bf16 neighbours (low 16 bits == 0x8000, finite)."""
     low = bits(t32.float()) & 0xFFFF
     return int(((low == 0x8000) & torch.isfinite(t32)).sum())
+
+
+def rounding_profiles() -> list[str]:
+    """The built-in profiles that run HF's kernels: every profile but the ``-kernels`` ones, which need vLLM's ops
+    (tested against the real engine in tests/test_real_vllm_kernels.py)."""
+    import roundalign
+
+    return [p for p in roundalign.list_profiles() if not roundalign.get_profile(p).uses_engine_kernels]

@@ -17,7 +17,7 @@ import transformers
 import roundalign
 from roundalign import models
 from roundalign.engine import Engine, SamplingParams
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, rounding_profiles
 from tests.test_engine_matches_trainer import sequences, trainer_logprobs, trainer_model
 
 FP16 = torch.float16
@@ -48,7 +48,7 @@ def test_served_copy_is_the_fp16_model(trainer, engine):
         assert_bitwise_equal(served[name], p, name)
 
 
-@pytest.mark.parametrize("profile", roundalign.list_profiles())
+@pytest.mark.parametrize("profile", rounding_profiles())
 def test_fp16_engine_matches_fp16_trainer(trainer, profile):
     """Every built-in profile: fp16 engine prefill == fp16 trainer patched with the profile, bitwise."""
     eng = Engine(PATH, profile=profile, dtype=FP16)

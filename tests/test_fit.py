@@ -25,11 +25,12 @@ from roundalign.fit import search as fit_search
 from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
 from roundalign.probe.run import default_prompts
-from roundalign.profiles import PROFILES, Profile, get_profile
+from roundalign.profiles import Profile, get_profile
 from roundalign.rollouts import Rollout, read_engine_logprobs, write_engine_logprobs
 from roundalign.trainer import TrainerSide, load_trainer_model
 from tests import models as test_models
 from tests.cpu_kernels import gemm_rows_matter
+from tests.helpers import rounding_profiles
 from tests.model_reference import reference_logits
 
 SCREEN = 40  # tokens: one sequence, so that the screening-and-pruning path runs on these small dumps
@@ -176,7 +177,7 @@ def test_sign_test_counts_closer_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("profile", rounding_profiles())
 def test_fit_recovers_each_profile_from_its_prefill_dump(shipped, completions, profile, tmp_path):
     # Through the dump file: fit takes what the reader returns (one Rollout type everywhere).
     write_engine_logprobs(tmp_path / "dump.jsonl", engine_dump(completions, profile))

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import roundalign
 from roundalign.profiles import REGIONS, CosSinDtype, QKNormRule, ResidualRule, RMSNormRule, RopeRule, SwiGLURule
+from tests.helpers import rounding_profiles
 from tests.model_reference import reference_logits, rope_inv_freq
 
 BATCH, SEQ, VOCAB = 2, 17, 512
@@ -83,7 +84,7 @@ def make_config(kind: str):
 
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe"]
-PROFILES = [p for p in roundalign.list_profiles() if p != "hf"]
+PROFILES = [p for p in rounding_profiles() if p != "hf"]
 
 
 _BUILT: dict[str, tuple] = {}

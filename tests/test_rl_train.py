@@ -209,6 +209,10 @@ def test_non_finite_gradient_names_the_tensor(tmp_path, monkeypatch):
         (["--engine-profile", "sglang", "--engine-backend", "inductor"], "cannot serve profile 'sglang'"),
         (["--dtype", "float16", "--engine-backend", "inductor"], "kernels backend"),
         (["--optimizer", "sgd", "--betas", "0.8,0.9"], "--betas apply to --optimizer adamw only"),
+        (["--enforce-eager"], "--enforce-eager is a vLLM mode: add --engine vllm"),
+        (["--engine", "vllm", "--dtype", "float16"], "--engine vllm serves bfloat16"),
+        # This environment has no vLLM (.venv-vllm has it): the run says where to run it.
+        (["--engine", "vllm"], "it is not installed here. Run roundalign train in the environment that has it"),
     ],
 )
 def test_invalid_combinations_are_rejected_before_any_work(tmp_path, capsys, argv, message):

@@ -1,4 +1,4 @@
-"""``roundalign train``: one GRPO run on the reference engine, from the command line.
+"""``roundalign train``: one GRPO run on the reference engine or a real vLLM, from the command line.
 
     roundalign train --out runs/hf-rne --trainer-profile hf --sync rne --steps 60
     roundalign train --out runs/aligned-sr --trainer-profile engine --sync stochastic
@@ -21,7 +21,7 @@ from pathlib import Path
 from roundalign.errors import ExitStatus, UserError, flag
 from roundalign.numerics.correction import IS_MODES
 from roundalign.profiles import list_profiles
-from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, OPTIMIZERS, TrainConfig
+from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, ENGINES, OPTIMIZERS, TrainConfig
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 
@@ -56,14 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--eval-problems", type=int, metavar="N", help=f"held-out problems per evaluation (default {d.eval_problems})")
     a("--no-tensorboard", action="store_true", help="do not write TensorBoard events even if tensorboard is installed")
     a("--quiet", action="store_true", help="no progress bar")
-    g = parser.add_argument_group("rollouts (the reference engine)")
+    g = parser.add_argument_group("rollouts")
     a = g.add_argument
+    a(
+        "--engine",
+        choices=ENGINES,
+        help="who samples: reference (default: roundalign's CPU engine) or vllm (a real vLLM in this process; run "
+        "roundalign where it is installed, docs/kernels.md)",
+    )
+    a("--enforce-eager", action="store_true", help="--engine vllm: its enforce_eager mode (default: compiled)")
     a(
         "--engine-profile",
         metavar="NAME",
-        help=f"the engine's rounding profile (default {d.engine_profile}; {profiles})",
+        help=f"the reference engine's rounding profile (default {d.engine_profile}; {profiles})",
     )
-    a("--engine-backend", choices=ENGINE_BACKENDS, help=f"engine numerics backend (default {d.engine_backend})")
+    a(
+        "--engine-backend",
+        choices=ENGINE_BACKENDS,
+        help=f"the reference engine's numerics backend (default {d.engine_backend})",
+    )
     a("--prompts-per-step", type=int, help=f"problems per step (default {d.prompts_per_step})")
     a("--group-size", type=int, help=f"completions per problem (default {d.group_size})")
     a("--max-tokens", type=int, help=f"max completion tokens (default {d.max_tokens})")
@@ -81,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--trainer-profile",
         metavar="NAME",
-        help="the trainer's rounding profile: 'engine' (default: round where the "
-        f"engine does), hf (stock), aligned, or any of {profiles}",
+        help="the trainer's rounding profile: 'engine' (default: round where the engine does; with --engine vllm, "
+        f"the build's profile with vLLM's kernels), hf (stock), aligned, or any of {profiles}",
     )
     a(
         "--dtype",

@@ -23,6 +23,7 @@ from roundalign.sync import MODES as SYNC_MODES
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = tuple(dtypes.BY_NAME)
 ENGINE_BACKENDS = BACKENDS
+ENGINES = ("reference", "vllm")
 TRAINER_SAME_AS_ENGINE = "engine"  # --trainer-profile engine: round where the engine does (the aligned trainer)
 
 
@@ -38,6 +39,8 @@ class TrainConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     level: int = 3
+    engine: str = "reference"  # reference: roundalign.engine; vllm: a real vLLM in this process (rl/vllm.py)
+    enforce_eager: bool = False  # vllm: its enforce_eager mode
     engine_profile: str = "vllm"
     engine_backend: str = "kernels"
     trainer_profile: str = TRAINER_SAME_AS_ENGINE
@@ -136,6 +139,14 @@ class TrainConfig:
                 get_profile(getattr(self, name))
             except (KeyError, ValueError) as exc:
                 raise UserError(f"{flag(name)}: {exc}") from None
+        _choice(self.engine, ENGINES, "engine")
+        if self.enforce_eager and self.engine != "vllm":
+            raise UserError("--enforce-eager is a vLLM mode: add --engine vllm, or drop --enforce-eager")
+        if self.engine == "vllm" and (self.dtype != "bfloat16" or self.engine_backend != "kernels"):
+            raise UserError(
+                "--engine vllm serves bfloat16 with vLLM's own code: drop --dtype and --engine-backend (they set the "
+                "reference engine)"
+            )
         _choice(self.engine_backend, ENGINE_BACKENDS, "engine_backend")
         try:
             check_backend(self.engine_backend, self.engine_profile)

@@ -2,9 +2,10 @@
 
 One step, with the timing key each phase is logged under:
 
-1. ``timing_s/rollout``: the reference engine samples ``group_size`` completions for each of ``prompts_per_step``
-   problems, from its served 16-bit copy, under the engine profile. Its decode-time log-probs (``processed``: after
-   temperature and top-p, verl's default ``logprobs_mode``) are the sampler's log-probs, as verl and TRL take them.
+1. ``timing_s/rollout``: the engine (the reference engine, or a real vLLM: rl/vllm.py) samples ``group_size``
+   completions for each of ``prompts_per_step`` problems, from its served 16-bit copy (the reference engine under
+   the engine profile). Its decode-time log-probs (``processed``: after temperature and top-p, verl's default
+   ``logprobs_mode``) are the sampler's log-probs, as verl and TRL take them.
    Rewards are exact-answer checks.
 2. ``timing_s/recompute``: the trainer recomputes every completion's log-probs on its compute copy (verl's
    ``old_log_prob``), one unpadded sequence per forward. Trainer-vs-sampler mismatch metrics (the probe's, with
@@ -36,7 +37,7 @@ from roundalign.numerics.correction import is_weights
 from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
 from roundalign.rl import checkpoint
-from roundalign.rl.config import TrainConfig
+from roundalign.rl.config import TRAINER_SAME_AS_ENGINE, TrainConfig
 from roundalign.rl.data import Task, sampling_seed
 from roundalign.rl.logbook import Logbook, Progress
 from roundalign.rl.objective import group_advantages, policy_loss
@@ -78,8 +79,17 @@ class Run:
 
         self.config, self.out = config, out
         self.model_dir = Path(config.model) if config.model else model_path("tiny-qwen3")
+        if config.engine == "vllm":  # started first: it binds this process's threads, which the trainer then shares
+            from roundalign.rl.vllm import VllmEngine
+
+            self.engine = VllmEngine(
+                self.model_dir, enforce_eager=config.enforce_eager, seed=config.seed, dtype=DTYPE[config.dtype]
+            )
+        else:
+            self.engine = Engine(
+                self.model_dir, config.engine_profile, config.engine_backend, dtype=DTYPE[config.dtype]
+            )
         self.policy = Policy(self.model_dir, config)
-        self.engine = Engine(self.model_dir, config.engine_profile, config.engine_backend, dtype=DTYPE[config.dtype])
         if self.engine.tokenizer is None:
             raise UserError(f"{str(self.model_dir)!r} has no tokenizer files; train needs one to build prompts")
         self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype])
@@ -250,6 +260,11 @@ def train(
         raise UserError(
             f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} or choose another --out"
         )
+    if config.engine == "vllm" and config.trainer_profile == TRAINER_SAME_AS_ENGINE:
+        from roundalign.rl.vllm import trainer_profile
+
+        # The exact trainer of this vLLM build, named in config.json (a resumed run keeps it).
+        config = config.replace(trainer_profile=trainer_profile(config.enforce_eager))
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)

