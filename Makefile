@@ -44,8 +44,15 @@ $(VLLM_STAMP): pyproject.toml scripts/install-vllm.sh
 	scripts/install-vllm.sh $(VLLM_VENV)
 	touch $@
 
+# Two pytest workers (pytest-xdist), one torch thread each: much of the suite waits on subprocesses (the real vLLM,
+# DDP ranks) or runs small kernels that a second thread barely speeds up, so two single-threaded workers finish
+# about a quarter sooner than one two-threaded process on a 2-core machine; two 2-thread workers would fight over
+# the cores. A file's tests stay on one worker (--dist loadfile), so each module-scoped fixture (an engine dump,
+# a trained run) is built once. Set TEST_WORKERS=0 for one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
+	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+	  $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
 # two backends. Writes probe-out/report.json and three plots.
