@@ -1,9 +1,9 @@
-"""roundalign.kernels without vLLM: finding sequences in a padded batch, the reference engine's attention kernel in
-the trainer, the standard backward, and the errors.
+"""roundalign.kernels without vLLM: finding sequences in a padded batch, the reference engine's kernels in the
+trainer (exactly its sampler), the standard backward, and the errors.
 
 The vLLM kernels themselves are tested against the real engine in tests/test_real_vllm_kernels.py; what they share
-with the ``reference`` kernel (packing a padded batch, the autograd function, the checks) is tested here, against
-independent references: the reference engine's one-sequence prefill, and HF's own SDPA attention.
+with the ``reference`` kernels (packing a padded batch, the autograd functions, the checks) is tested here, against
+independent references: the reference engine's sampler (its own code: roundalign.engine), and HF's own SDPA.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import roundalign
 from roundalign import kernels, models
-from roundalign.engine import Engine
+from roundalign.engine import Engine, SamplingParams
 from roundalign.errors import UserError
 from roundalign.kernels.batch import sequences
 from roundalign.trainer import load_model, load_trainer_model
@@ -91,27 +91,51 @@ def padded_logprobs(model, rollouts, left: bool) -> list[torch.Tensor]:
     return out
 
 
+EXACT = roundalign.get_profile(ROUNDING).replace(attention="reference", gemm="reference")
+
+
+def test_profile_names_with_overrides_read_back():
+    """``Profile.replace`` names what it changed; that name is a profile name every command takes."""
+    assert EXACT.name == f"{ROUNDING}+attention=reference,gemm=reference"
+    assert roundalign.get_profile(EXACT.name) == EXACT
+    assert roundalign.get_profile("vllm+gemm=reference,attention=reference").same_rules(
+        roundalign.get_profile("vllm").replace(attention="reference", gemm="reference")
+    )
+    with pytest.raises(UserError, match=r"unknown region\(s\) \['color'\]"):
+        roundalign.get_profile("vllm+color=red")
+    with pytest.raises(UserError, match="NAME\\+key=value"):
+        roundalign.get_profile("vllm+gemm")
+    with pytest.raises(UserError, match="unknown profile 'nope\\+gemm=torch'"):
+        roundalign.get_profile("nope+gemm=torch")
+
+
 @pytest.mark.parametrize("left", [True, False], ids=["left-padded", "right-padded"])
-def test_reference_kernel_puts_the_engines_prefill_in_a_padded_batch(left):
-    """attention='reference' in a padded training batch: every sequence's log-probs are the reference engine's
-    one-sequence prefill of it, bit for bit (stock SDPA over the padded batch is not, in general)."""
-    profile = roundalign.get_profile(ROUNDING).replace(attention="reference")
-    engine = Engine(models.path(), ROUNDING)
+def test_reference_kernels_reproduce_the_reference_engines_sampler(left):
+    """The reference engine with the ``reference`` kernels samples, its log-probs are what the trainer with the same
+    profile computes in a padded training batch, bit for bit; and that engine's decode equals its own prefill.
+    (The reference engine with HF's kernels differs from its own prefill: decode attention is its own.)"""
+    engine = Engine(models.path(), EXACT)
     g = torch.Generator().manual_seed(3)
-    rollouts = [
-        (torch.randint(1, 264, (n,), generator=g).tolist(), torch.randint(1, 264, (m,), generator=g).tolist())
-        for n, m in [(7, 30), (21, 9), (3, 50), (12, 12)]
-    ]
-    expected = engine.score([p for p, _ in rollouts], [c for _, c in rollouts], mode="prefill")
-    model = roundalign.apply(load_trainer_model(models.path()), profile)
-    for mine, ref in zip(padded_logprobs(model, rollouts, left), expected, strict=True):
-        assert torch.equal(mine, ref)
+    prompts = [torch.randint(1, 264, (n,), generator=g).tolist() for n in (7, 21, 3, 12)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40, seed=5, ignore_eos=True))
+    rollouts = [(o.prompt_token_ids, o.token_ids) for o in outs]
+    sampler = [torch.tensor(o.logprobs, dtype=torch.float32) for o in outs]
+    prefill = engine.score([p for p, _ in rollouts], [c for _, c in rollouts], mode="prefill")
+    model = roundalign.apply(load_trainer_model(models.path()), EXACT)
+    for mine, sampled, scored in zip(padded_logprobs(model, rollouts, left), sampler, prefill, strict=True):
+        assert torch.equal(mine, sampled)
+        assert torch.equal(scored, sampled)
+    # The contrast: the same rounding rules with HF's kernels on both sides leave the sampler's tokens different.
+    stock_engine = Engine(models.path(), ROUNDING)
+    decode = stock_engine.score([p for p, _ in rollouts], [c for _, c in rollouts], mode="decode")
+    prefill = stock_engine.score([p for p, _ in rollouts], [c for _, c in rollouts], mode="prefill")
+    assert not all(torch.equal(a, b) for a, b in zip(decode, prefill, strict=True))
 
 
 def test_reference_kernel_backward_is_sdpas():
     """The engine kernel's gradient is HF's SDPA gradient at the same inputs, exactly; and under gradient
     checkpointing a training step's gradients do not change."""
-    model = roundalign.apply(load_model(models.path()), roundalign.get_profile(ROUNDING).replace(attention="reference"))
+    model = roundalign.apply(load_model(models.path()), EXACT)
     module = model.model.layers[1].self_attn
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 19, 64, generator=g).to(torch.bfloat16)

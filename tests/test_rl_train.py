@@ -282,6 +282,28 @@ def test_prefill_check_is_exactly_zero_for_the_aligned_trainer_and_not_for_hf(tm
         assert r["prefill/k3_kl"] > 0 and r["prefill/bitwise_equal_frac"] < 1.0
 
 
+def test_reference_kernels_make_the_run_exactly_on_policy(tmp_path):
+    """An engine profile with the reference engine's kernels (attention and gemm 'reference'; the trainer follows,
+    --trainer-profile engine): every step's recompute is the sampler's log-probs bit for bit, at temperature != 1
+    and with stochastic export changing the served weights: k3_kl 0 and every IS ratio exactly 1, and the engine's
+    decode equals its own prefill."""
+    config = TrainConfig(
+        steps=3,
+        engine_profile="sglang+attention=reference,gemm=reference",
+        sync="stochastic",
+        temperature=0.9,
+        prefill_check=True,
+        **{**SMALL, "lr": 1e-3},
+    ).validate()
+    rows = _rows(train(config, tmp_path / "exact", progress=False, tensorboard=False))[1:]
+    assert len(rows) == 3 and any(r["actor/trained_sequence_frac"] > 0 for r in rows[:-1])
+    for r in rows:
+        assert r["rollout_corr/k3_kl"] == 0.0 and r["mismatch/bitwise_equal_frac"] == 1.0
+        assert r["mismatch/log_ratio_max_abs"] == 0.0
+        assert r["rollout_corr/raw_is_min"] == r["rollout_corr/raw_is_max"] == 1.0
+        assert r["prefill/k3_kl"] == 0.0 and r["prefill/bitwise_equal_frac"] == 1.0
+
+
 @pytest.mark.parametrize(
     "settings",
     [

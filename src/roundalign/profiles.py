@@ -154,7 +154,9 @@ class AttentionKernel(_Rule):
     # vLLM's CPU attention ops (csrc/cpu/cpu_attn): each sequence unpadded from position 0, in a paged KV cache of
     # vLLM's CPU block size, one varlen call for the batch, as vLLM's CPU_ATTN backend calls them. Needs vLLM.
     VLLM_CPU = "vllm-cpu"
-    # the reference engine's (roundalign.engine): per sequence, unpadded, SDPA as HF calls it for one sequence
+    # the reference engine's decode attention (roundalign.engine.attention.decode_attention): every query row on
+    # its own, against its sequence's keys so far, in fp32. An engine with this kernel computes its prefill rows the
+    # same way, so its decode equals its prefill, and a trainer with it equals both.
     REFERENCE = "reference"
 
 
@@ -165,6 +167,9 @@ class GemmKernel(_Rule):
     # vLLM's CPU linear dispatch (dispatch_cpu_unquantized_gemm: oneDNN, its AMX weight-packed GEMM, or torch's), on
     # the weights vLLM fuses (q/k/v, gate/up) and its lm_head padded to 64 rows. Needs vLLM.
     VLLM_CPU = "vllm-cpu"
+    # one row per GEMM call, as the reference engine's decode computes each sequence's row (and its prefill too
+    # under this kernel): a row's bits then never depend on the call's row count, which on some CPUs they do.
+    REFERENCE = "reference"
 
 
 # The RoPE rules at one head_dim that fit searches and the fingerprint reader tries: every cos/sin dtype x rounding
@@ -570,10 +575,26 @@ def get_profile(name: str | Path | Profile) -> Profile:
             return Profile.load(name)
         except (ValueError, TypeError) as exc:
             raise UserError(f"profile file {str(name)!r} is not a valid profile: {exc}") from None
-    try:
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        raise UserError(
-            f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
-            "(or a profile .json file, as roundalign fit and Profile.save write it)"
-        ) from None
+    base, plus, overrides = str(name).partition("+")
+    if plus and base in PROFILES:
+        return _with_overrides(PROFILES[base], overrides, name)
+    raise UserError(
+        f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
+        "(or a profile .json file, as roundalign fit and Profile.save write it, or NAME+region=rule,... as "
+        "Profile.replace names a profile, e.g. vllm+attention=reference,gemm=reference)"
+    )
+
+
+def _with_overrides(base: Profile, overrides: str, name: str) -> Profile:
+    """``base`` with the ``key=value,...`` of a name like ``vllm+attention=reference,gemm=reference``: the names
+    ``Profile.replace`` gives read back as the profiles they name."""
+    pairs = [item.partition("=") for item in overrides.split(",")]
+    bad = [k for k, eq, v in pairs if not (eq and k and v)]
+    if bad:
+        raise UserError(f"profile {name!r}: write overrides as NAME+key=value,key=value (got {overrides!r})")
+    try:
+        return base.replace(**{k.strip(): v.strip() for k, _, v in pairs})
+    except TypeError as exc:
+        raise UserError(f"profile {name!r}: {exc}") from None

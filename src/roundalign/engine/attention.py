@@ -6,7 +6,9 @@ which positions; the model code never sees padding. Attention then is
 
 - prefill: per sequence, ``F.scaled_dot_product_attention`` called exactly as HF's sdpa path calls it for one
   unpadded sequence (``causal_attention``), so a one-sequence prefill matches the trainer bit for bit;
-- decode: per sequence, its one query row against its own cached keys (``_decode_attention``).
+- decode: per sequence, its one query row against its own cached keys (``decode_attention``); under the profile's
+  ``reference`` attention kernel (``AttentionSpec.rowwise``) prefill rows are computed the same way, one by one,
+  so that decode equals prefill bit for bit.
 
 Nothing here lets two sequences share a kernel call. A kernel's result for one row can depend on the shape of the
 call it sits in (the number of rows or keys sets a GEMM library's blocking, its choice of kernel and its split of a
@@ -40,6 +42,10 @@ class AttentionSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Prefill rows too are computed one query row at a time, as a decode step computes its row (the profile's
+    # attention kernel ``reference``): decode then equals prefill bit for bit, and so does a trainer that computes
+    # the same rows (roundalign.kernels).
+    rowwise: bool = False
 
     @property
     def scale(self) -> float:
@@ -173,10 +179,15 @@ class Step:
         return [*zip(self.starts, self.counts, strict=True), *((r, 1) for r in range(self.num_rows, rows))]
 
 
-def _decode_attention(q: torch.Tensor, k32: torch.Tensor, v32: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k32: torch.Tensor, v32: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """One query row ``(1, heads * head_dim)`` against a sequence's cached keys and values (``(kv_heads, length,
     head_dim)``, fp32 holding 16-bit values). fp32 throughout, rounded once to the model dtype (``q``'s: bf16 or
-    fp16) at the output; both sums over keys are matmuls (``softmax(scores) @ v`` as ``(e @ v) / (e @ 1)``)."""
+    fp16) at the output; both sums over keys are matmuls (``softmax(scores) @ v`` as ``(e @ v) / (e @ 1)``).
+
+    The keys and values are copied to fresh contiguous tensors first, so that the matmuls' operands depend on the
+    length alone, not on the capacity of the cache they were read from: the same row computed from another cache
+    (a prefill, a trainer's rows) gets the same bits."""
+    k32, v32 = k32.contiguous(), v32.contiguous()
     kvh, d = spec.num_kv_heads, spec.head_dim
     # GQA: query heads j * group ... (j + 1) * group - 1 read kv head j, as HF's repeat_kv pairs them.
     q32 = q.view(kvh, spec.num_heads // kvh, d).float()  # (kv_heads, group, D)
@@ -199,15 +210,18 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ste
             # The sequence's full length; cache rows past the current token are zeros.
             full = causal_attention(qbuf, *step.cache.rows(layer, seq, qbuf.shape[0]), step.spec)
             out[start : start + n] = full[offset : offset + n]
-    elif step.is_prefill:
+    elif step.is_prefill and not step.spec.rowwise:
         for _, start, _, n in step.groups():
             rows = slice(start, start + n)
             out[rows] = causal_attention(*(own_rows(t[rows]) for t in (q, k, v)), step.spec)
-    else:
+    else:  # decode, or a row-wise prefill: every row against its sequence's cached keys up to its own position
         cache = step.cache
-        for seq, row, offset, _ in step.groups():  # one query row per sequence, at position ``offset``
-            k32, v32 = cache.k[seq][layer][:, : offset + 1], cache.v[seq][layer][:, : offset + 1]
-            out[row : row + 1] = _decode_attention(q[row : row + 1], k32, v32, step.spec)  # .float() copies q
+        for seq, start, offset, n in step.groups():
+            k32, v32 = cache.k[seq][layer], cache.v[seq][layer]
+            for j in range(n):  # .float() in decode_attention copies the query row
+                length = offset + j + 1
+                row = start + j
+                out[row : row + 1] = decode_attention(q[row : row + 1], k32[:, :length], v32[:, :length], step.spec)
     return out
 
 

@@ -50,7 +50,8 @@ def check_backend(backend: str, profile) -> None:
     if profile.attention is AttentionKernel.VLLM_CPU or profile.gemm is GemmKernel.VLLM_CPU:
         raise UserError(
             f"profile {profile.name!r} runs vLLM's kernels in the trainer; the reference engine computes with its "
-            f"own. Give the engine the rounding rules alone: {profile.rounding_only().name!r}"
+            f"own (attention and gemm 'reference', or HF's). Give the engine the rounding rules alone: "
+            f"{profile.rounding_only().name!r}"
         )
     if backend not in backends_for(profile):
         raise UserError(
@@ -108,7 +109,10 @@ class Engine:
         self.max_model_len = int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)
         self._spec = AttentionSpec(
-            self.config.num_attention_heads, self.config.num_key_value_heads, head_dim(self.config)
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            head_dim(self.config),
+            rowwise=self.profile.attention is AttentionKernel.REFERENCE,
         )
         self.compile_stats = {"graphs": 0, "pieces": 0, "seconds": 0.0}  # what this engine's calls compiled
         if backend == "kernels":

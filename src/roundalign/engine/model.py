@@ -16,7 +16,8 @@ Residual carrying, per rule (``S`` = the fp32 sum of an add, ``R = r(S)``; docs/
 | never_round             | S              | S                                         | S                            |
 
 Matmuls are ``F.linear`` on 2-D ``(tokens, features)`` inputs, one call per sequence (``roundalign.engine.gemm``:
-a batch never changes a sequence's GEMMs); logits are the 16-bit lm_head matmul. RoPE reads a cos/sin cache in the
+a batch never changes a sequence's GEMMs), or one per row under the profile's ``reference`` GEMM kernel; logits
+are the 16-bit lm_head matmul. RoPE reads a cos/sin cache in the
 profile's dtype (c16: the model dtype, as vLLM casts it, or fp32 as SGLang/FlashInfer keep it); under
 ``qk_norm=fused_into_rope`` the q/k norm returns fp32 and RoPE rounds once.
 
@@ -37,7 +38,7 @@ from roundalign.engine.gemm import linear, logits
 from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
-from roundalign.profiles import CosSinDtype, Profile, QKNormRule, ResidualRule
+from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -78,6 +79,9 @@ class KernelsModel:
         self.qk_rule = str(profile.qk_norm)
         self.residual = profile.residual
         self.swiglu_rule = str(profile.swiglu)
+        # gemm "reference": every row its own GEMM call, in prefill as in decode (where a step has one row per
+        # sequence), so that a row's bits never depend on how many rows its call had (docs/kernels.md).
+        self.rowwise_gemm = profile.gemm is GemmKernel.REFERENCE
         rope = profile.rope_for(self.head_dim)
         # fused_into_rope: q/k go from the norm into RoPE in fp32 and round once at RoPE's output, whatever the
         # profile's RoPE rounding (which still applies to families without a q/k norm), as roundalign.apply does.
@@ -93,7 +97,8 @@ class KernelsModel:
     def _linear(self, x: torch.Tensor, lin, key, step: Step) -> torch.Tensor:
         if step.shapes is not None and "matmul" in step.shapes.parts:
             return step.shapes.linear(key, x, lin.weight, lin.bias, list(step.groups()))
-        return linear(x, lin.weight, lin.bias, step.gemm_rows(x.shape[0]))
+        rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
+        return linear(x, lin.weight, lin.bias, rows)
 
     def _attention(self, i: int, a, h: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim

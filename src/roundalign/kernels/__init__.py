@@ -6,11 +6,12 @@ from the sampler's. A profile therefore also names the kernels (``Profile.attent
 ``roundalign.apply`` runs the named ones here:
 
 - ``attention``: ``hf`` (the model's own), ``vllm-cpu`` (vLLM's CPU attention ops, ``vllm_cpu``) or ``reference``
-  (the reference engine's prefill attention). The engine kernels compute each sequence of the batch alone,
-  unpadded and from position 0, as the engine computed it (``batch.sequences`` finds them in a padded or packed
-  batch from the attention mask and ``position_ids``).
-- ``gemm``: ``torch`` (each ``nn.Linear`` as it is) or ``vllm-cpu`` (vLLM's CPU GEMM dispatch on the weights vLLM
-  fuses: q/k/v and gate/up as one GEMM each, the lm_head padded to 64 rows).
+  (the reference engine's decode attention, row by row). The engine kernels compute each sequence of the batch
+  alone, unpadded and from position 0, as the engine computed it (``batch.sequences`` finds them in a padded or
+  packed batch from the attention mask and ``position_ids``).
+- ``gemm``: ``torch`` (each ``nn.Linear`` as it is), ``vllm-cpu`` (vLLM's CPU GEMM dispatch on the weights vLLM
+  fuses: q/k/v and gate/up as one GEMM each, the lm_head padded to 64 rows) or ``reference`` (one GEMM call per
+  row, as the reference engine's decode).
 
 **Backward.** The engine kernels have none. The gradient is that of standard attention and of a standard linear
 at the same inputs: attention saves only q, k and v and recomputes HF's SDPA attention in the backward (so memory
@@ -24,6 +25,7 @@ Gradient checkpointing recomputes the engine forward, which is deterministic.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from roundalign.errors import UserError
 from roundalign.kernels import batch as _batch
@@ -47,10 +49,11 @@ def check(profile: Profile, model) -> None:
                 f"the vllm-cpu kernels run on the CPU; this model's parameters are on {sorted(devices)}. Use the "
                 "profile without '-kernels' on a GPU (vLLM's CUDA kernels are not wired in yet: docs/kernels.md)"
             )
-    if profile.gemm is GemmKernel.VLLM_CPU and getattr(config, "num_experts", None):
+    if profile.gemm is not GemmKernel.TORCH and getattr(config, "num_experts", None):
         raise UserError(
-            "gemm='vllm-cpu' covers dense models: vLLM's CPU MoE kernel (cpu_fused_moe) is not reproduced, so a MoE "
-            "model would not be exact. Use gemm='torch' (the profile without '-kernels') for Qwen3-MoE"
+            f"gemm={profile.gemm!s} covers dense models: the experts' GEMMs (vLLM's CPU MoE kernel cpu_fused_moe, the "
+            "reference engine's expert loop) are not reproduced, so a MoE model would not be exact. Use gemm='torch' "
+            "for Qwen3-MoE"
         )
 
 
@@ -79,19 +82,23 @@ class _EngineAttention(torch.autograd.Function):
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float) -> torch.Tensor:
-    """The reference engine's prefill attention of each packed sequence (``roundalign.engine.attention``)."""
-    from roundalign.engine.attention import AttentionSpec, causal_attention, own_rows
+    """The reference engine's decode attention, row by row: each query row against its sequence's keys up to its
+    own position, in fp32, exactly as a decode step computes it (``roundalign.engine.attention.decode_attention``,
+    the same function on the same shapes)."""
+    from roundalign.engine.attention import AttentionSpec, decode_attention
 
     heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    spec = AttentionSpec(heads, kv_heads, head_dim)
+    spec = AttentionSpec(heads, kv_heads, head_dim, rowwise=True)
     if scale != spec.scale:
         raise UserError(f"the reference engine's attention scales by head_dim**-0.5; this model uses {scale}")
     out, start = [], 0
     for n in lengths:
-        rows = [own_rows(t[start : start + n].reshape(n, -1)) for t in (q, k, v)]
-        out.append(causal_attention(*rows, spec).view(n, heads, head_dim))
+        # The engine's KV cache holds the 16-bit keys and values as fp32, (kv_heads, positions, head_dim).
+        k32, v32 = (t[start : start + n].float().transpose(0, 1) for t in (k, v))
+        for j in range(n):
+            out.append(decode_attention(q[start + j].reshape(1, -1), k32[:, : j + 1], v32[:, : j + 1], spec))
         start += n
-    return torch.cat(out)
+    return torch.cat(out).view(-1, heads, head_dim)
 
 
 _PACKED = {AttentionKernel.REFERENCE: _reference}
@@ -212,6 +219,8 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
     padded lm_head)."""
     if gemm is GemmKernel.TORCH:
         return [getattr(module, n)(x) for n in names]
+    if gemm is GemmKernel.REFERENCE:
+        return [_rowwise(m, x) for m in _plain_linears(module, names)]
     mods = _plain_linears(module, names)
     low = low_dtype(x)
     weights = [engine_weight(m.weight, low) for m in mods]
@@ -226,6 +235,21 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
     run = _gemm_for(module, ",".join(names), weights, biases)
     out = _EngineLinear.apply(x.to(low), run, len(weights), *weights, *biases)
     return list(out.split([w.shape[0] for w in weights], dim=-1)[: len(mods)])
+
+
+def _rowwise(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` with one GEMM call per row, as the reference engine computes a decode step's row (each row
+    64-byte aligned, as the engine's own rows are); torch's linear gradients."""
+    from roundalign.engine.attention import own_rows
+
+    low = low_dtype(x)
+    weight = engine_weight(linear.weight, low)
+    bias = [] if linear.bias is None else [engine_weight(linear.bias, low)]
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.linear(own_rows(rows[i : i + 1]), weight, *bias) for i in range(rows.shape[0])])
+
+    return _EngineLinear.apply(x.to(low), run, 1, weight, *bias)
 
 
 class EngineLMHead(torch.nn.Linear):
