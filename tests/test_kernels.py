@@ -96,9 +96,9 @@ EXACT = roundalign.get_profile(ROUNDING).replace(attention="reference", gemm="re
 
 def test_profile_names_with_overrides_read_back():
     """``Profile.replace`` names what it changed; that name is a profile name every command takes."""
-    assert EXACT.name == f"{ROUNDING}+attention=reference,gemm=reference"
+    assert EXACT.name == f"{ROUNDING}+attention=reference+gemm=reference"
     assert roundalign.get_profile(EXACT.name) == EXACT
-    assert roundalign.get_profile("vllm+gemm=reference,attention=reference").same_rules(
+    assert roundalign.get_profile("vllm+gemm=reference+attention=reference").same_rules(
         roundalign.get_profile("vllm").replace(attention="reference", gemm="reference")
     )
     with pytest.raises(UserError, match=r"unknown region\(s\) \['color'\]"):

@@ -92,7 +92,7 @@ def test_qwen3_moe_experts_get_expert_rule():
 def test_override_one_region():
     model = roundalign.apply(build("qwen3"), "vllm", rope="fp32/once", qk_norm="round_after_weight")
     prof = roundalign.patched_profile(model)
-    assert prof.name == "vllm+qk_norm=round_after_weight,rope=fp32/once"
+    assert prof.name == "vllm+qk_norm=round_after_weight+rope=fp32/once"
     assert str(prof.rope) == "fp32/once" and str(prof.rms_norm) == "round_after_weight"
     assert model.model.layers[0].self_attn.q_norm._roundalign_rule == "round_after_weight"
     cos, sin = model.model.rotary_emb(torch.zeros(1, 1, dtype=torch.bfloat16), torch.arange(4)[None])

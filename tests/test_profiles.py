@@ -246,7 +246,7 @@ def test_replace_overrides_one_region_and_records_it():
 
 def test_replace_several_regions_sorted_tag_and_enum_values():
     p = get_profile("hf").replace(swiglu=SwiGLURule.ONCE, qk_norm="fused_into_rope")
-    assert p.name == "hf+qk_norm=fused_into_rope,swiglu=once"
+    assert p.name == "hf+qk_norm=fused_into_rope+swiglu=once"
     assert p.swiglu is SwiGLURule.ONCE and p.qk_norm is QKNormRule.FUSED_INTO_ROPE
 
 
@@ -316,7 +316,7 @@ def test_overridden_profile_round_trips(tmp_path):
     p = get_profile("sglang").replace(swiglu="round_silu", qk_norm="fused_into_rope")
     p.save(tmp_path / "p.json")
     q = Profile.load(tmp_path / "p.json")
-    assert q == p and q.name == "sglang+qk_norm=fused_into_rope,swiglu=round_silu"
+    assert q == p and q.name == "sglang+qk_norm=fused_into_rope+swiglu=round_silu"
 
 
 def test_from_dict_errors():

@@ -289,7 +289,7 @@ def test_reference_kernels_make_the_run_exactly_on_policy(tmp_path):
     decode equals its own prefill."""
     config = TrainConfig(
         steps=3,
-        engine_profile="sglang+attention=reference,gemm=reference",
+        engine_profile="sglang+attention=reference+gemm=reference",
         sync="stochastic",
         temperature=0.9,
         prefill_check=True,

@@ -284,7 +284,7 @@ class Profile:
         changed = sorted(k for k in overrides if getattr(new, k) != getattr(self, k))
         if not changed:
             return self  # e.g. apply(model, "vllm", rope="bf16/once") is just "vllm"
-        tag = ",".join(f"{k}={getattr(new, k)}" for k in changed)
+        tag = "+".join(f"{k}={getattr(new, k)}" for k in changed)
         return dataclasses.replace(new, name=f"{self.name}+{tag}")
 
     def to_dict(self) -> dict:
@@ -583,17 +583,17 @@ def get_profile(name: str | Path | Profile) -> Profile:
     raise UserError(
         f"unknown profile {name!r}; the built-in profiles are {', '.join(PROFILES)} "
         "(or a profile .json file, as roundalign fit and Profile.save write it, or NAME+region=rule,... as "
-        "Profile.replace names a profile, e.g. vllm+attention=reference,gemm=reference)"
+        "Profile.replace names a profile, e.g. vllm+attention=reference+gemm=reference)"
     )
 
 
 def _with_overrides(base: Profile, overrides: str, name: str) -> Profile:
-    """``base`` with the ``key=value,...`` of a name like ``vllm+attention=reference,gemm=reference``: the names
+    """``base`` with the ``key=value`` items of a name like ``vllm+attention=reference+gemm=reference``: the names
     ``Profile.replace`` gives read back as the profiles they name."""
-    pairs = [item.partition("=") for item in overrides.split(",")]
+    pairs = [item.partition("=") for item in overrides.split("+")]
     bad = [k for k, eq, v in pairs if not (eq and k and v)]
     if bad:
-        raise UserError(f"profile {name!r}: write overrides as NAME+key=value,key=value (got {overrides!r})")
+        raise UserError(f"profile {name!r}: write overrides as NAME+key=value+key=value (got {overrides!r})")
     try:
         return base.replace(**{k.strip(): v.strip() for k, _, v in pairs})
     except TypeError as exc:
