@@ -62,11 +62,14 @@ demo: $(STAMP)
 # The benchmark suite (issue 6): per-op and model-level cost of alignment against stock HF, as ratios measured in
 # the same run. Writes the tables into docs/benchmarks.md and the raw JSON into docs/benchmarks/. About 15 minutes
 # on a 2-core CPU; run it on an idle machine.
-bench: $(STAMP)
+# The exact trainer's cost (vLLM's kernels in the trainer) runs in .venv-vllm, where vLLM's ops load; its table goes
+# to the terminal and docs/benchmarks/exact.json (docs/kernels.md, "What it costs", records it).
+bench: $(STAMP) $(VLLM_STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	$(PY) benchmarks/ops.py --json "$$tmp/ops.json" && \
 	$(PY) benchmarks/model_step.py --json "$$tmp/model.json" && \
-	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --out docs/benchmarks.md
+	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --out docs/benchmarks.md && \
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/exact_step.py --json docs/benchmarks/exact.json
 
 # ruff is pinned in the [dev] extra: another ruff version may format the same code differently.
 lint: $(STAMP)

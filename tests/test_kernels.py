@@ -172,12 +172,21 @@ def test_engine_kernels_refuse_what_they_cannot_compute():
     ids = torch.randint(1, 264, (1, 8))
     with pytest.raises(UserError, match="whole sequences.*not steps over HF's KV cache"):
         model.generate(ids, max_new_tokens=2, do_sample=False)
+    # A left-padded batch without position_ids (as TRL passes it) gets positions from the mask...
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        implicit = model(input_ids=ids, attention_mask=mask).logits
+        explicit = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert torch.equal(implicit[:, 2:], explicit[:, 2:])
+    # ... but positions given that do not start at 0 are refused.
     with pytest.raises(UserError, match=r"positions \[2, 3, 4, 5\]\.\.\. where the engine uses 0, 1, 2"):
-        model(input_ids=ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]))
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(8)[None])
     module = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16)
     with pytest.raises(UserError, match="attention dropout 0.1"):
         kernels.attention(module, q, q[:, :2], q[:, :2], None, dropout=0.1)
+    roundalign.revert(model)  # takes the position hook away with the rest
+    assert not model.model._forward_pre_hooks
 
 
 def test_vllm_kernels_without_vllm_name_the_fix():

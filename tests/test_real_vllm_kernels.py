@@ -113,3 +113,24 @@ def test_train_with_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path
     assert any(a["actor/trained_sequence_frac"] > 0 and a["sync/visible_fraction"] > 0.5 for a in steps[:-1]), (
         "no step changed the served weights; raise the learning rate"
     )
+
+
+def test_exact_step_benchmark_runs_and_reports_every_variant(engine_python, tmp_path):
+    """benchmarks/exact_step.py (make bench) in the engine's Python: a smoke run with every variant and pass, ratios
+    to stock in the same run, the profiles it timed named. No timing assertions."""
+    import json
+
+    out = tmp_path / "exact.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "exact_step.py"
+    proc = subprocess.run([engine_python, str(bench), "--quick", "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["variant"], r["pass"]) for r in rows} == {
+        (v, p) for v in ("stock", "rounding", "exact") for p in ("train step", "recompute")
+    }
+    assert {r["profile"] for r in rows if r["variant"] == "exact"} == {KERNELS}
+    assert {r["profile"] for r in rows if r["variant"] == "rounding"} == {ROUNDING}
+    for r in rows:
+        assert r["time_ms"] > 0 and r["time_ratio"] > 0
+        assert (r["variant"] == "stock") == (r["time_ratio"] == 1.0)
+        assert (r["peak_bytes"] is None) == (r["pass"] == "recompute")

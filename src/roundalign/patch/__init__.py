@@ -159,6 +159,7 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
     if not swapped:
         raise ValueError(f"found no {family.model_type} decoder layers to patch in {type(model).__name__}")
     _patch_lm_head(model, prof)
+    _patch_positions(model, prof)
     _rename_wrap_classes(model, family)
 
 
@@ -174,6 +175,28 @@ def _patch_lm_head(model, prof: Profile) -> None:
         )
     head.__class__ = kernels.EngineLMHead
     head._roundalign_gemm = prof.gemm
+
+
+def _positions_from_mask(module, args, kwargs):
+    """A forward pre-hook: ``position_ids`` from the 2-D attention mask when the caller passed none, so that every
+    sequence of a left-padded batch starts at position 0, as the engine computed it (verl's positions; HF's default
+    counts the padding). Only for whole-sequence forwards: a forward over a KV cache keeps HF's own."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if kwargs.get("position_ids") is not None or mask is None or mask.dim() != 2 or cache is not None:
+        return None
+    if "attention_mask" not in kwargs:  # positional: leave the call as it is rather than guess its layout
+        return None
+    return args, {**kwargs, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
+def _patch_positions(model, prof: Profile) -> None:
+    """Under an engine's attention kernel each sequence must start at position 0 (``roundalign.kernels``): derive
+    ``position_ids`` from the mask where the trainer (TRL, for one) passes none. ``revert`` removes the hook."""
+    if not prof.uses_engine_kernels:
+        return
+    base = getattr(model, "model", model)
+    base._roundalign_positions_hook = base.register_forward_pre_hook(_positions_from_mask, with_kwargs=True)
 
 
 def _rename_wrap_classes(model, family: Family) -> None:
@@ -206,6 +229,9 @@ def revert(model):
                 del module._no_split_modules  # the class's list again
             else:
                 module._no_split_modules = original
+        hook = vars(module).get("_roundalign_positions_hook")
+        if hook is not None:
+            hook.remove()
         for key in [k for k in vars(module) if k.startswith("_roundalign_")]:
             delattr(module, key)
     return model
