@@ -101,15 +101,13 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale
     return torch.cat(out).view(-1, heads, head_dim)
 
 
-_PACKED = {AttentionKernel.REFERENCE: _reference}
-
-
 def _packed_kernel(kernel: AttentionKernel):
+    """The kernel's function of sequences packed back to back: ``(q, k, v, lengths, scale) -> out``."""
     if kernel is AttentionKernel.VLLM_CPU:
         from roundalign.kernels import vllm_cpu
 
         return vllm_cpu.attention
-    return _PACKED[kernel]
+    return _reference
 
 
 _SEQUENCES: list = []  # (attention_mask, position_ids, shape, Sequences) of the forward in progress
