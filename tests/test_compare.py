@@ -416,6 +416,24 @@ def test_cli_runs_the_grid_then_summarizes_and_plots(tmp_path, fake_train, monke
         _run(_cli_args("--out", str(out)))
 
 
+def test_without_matplotlib_the_grid_is_summarized_and_says_how_to_plot_later(tmp_path, monkeypatch, capsys):
+    """An environment without the plotting extra (an engine's venv, where train --engine vllm runs): the finished
+    runs are summarized, and the message names the command that draws the plots once matplotlib is there."""
+    import importlib.util
+
+    out = tmp_path / "grid"
+    _synthetic_grid(out)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    assert _run(_cli_args("--plots-only", "--out", str(out))) == 0
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "no plots: matplotlib is not installed here (roundalign's [cli] extra)" in said
+    assert f"roundalign compare --plots-only --out {out}" in said
+    assert (out / "summary.md").is_file() and not (out / "plots").exists()
+
+
 def test_prefill_check_metrics_get_a_column_and_a_plot_only_when_logged(tmp_path):
     from roundalign.rl.compare_plots import PANELS, plot
 

@@ -21,6 +21,7 @@ come from whatever finished runs ``out`` holds; ``--plots-only`` redoes just the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -485,7 +486,17 @@ def run(config: CompareConfig) -> int:
             status = ExitStatus.RUNS_FAILED
     runs = load_runs(out)
     summary = summarize(runs, out)
-    paths = plot(runs, out, smooth=config.smooth)
     _say(console, summary.read_text(), markup=False)
+    if importlib.util.find_spec("matplotlib") is None:
+        # The runs and the summary are done: say how to draw the plots later rather than fail after all that work
+        # (an engine's environment, such as .venv-vllm, may have no plotting extra).
+        _say(
+            console,
+            f"summary: {summary} (and summary.json); no plots: matplotlib is not installed here (roundalign's [cli] "
+            f"extra). Draw them later with: roundalign compare --plots-only --out {out}",
+            markup=False,
+        )
+        return status
+    paths = plot(runs, out, smooth=config.smooth)
     _say(console, f"summary: {summary} (and summary.json); plots: {len(paths)} PNG in {out / 'plots'}/")
     return status
