@@ -34,12 +34,9 @@ def build(out: str | Path) -> Path:
     """Write the model (bf16 safetensors, config, the shipped tokenizer) into ``out``; returns ``out``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from roundalign import models
-
     out = Path(out)
     if (out / "model.safetensors").is_file():
         return out
-    shipped = models.path("tiny-qwen3")
     config = Qwen3Config(
         vocab_size=264, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=512, rope_theta=1_000_000.0,
@@ -47,23 +44,29 @@ def build(out: str | Path) -> Path:
         eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(SEED)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # random norm weights around 1, so the norms' rounding is not a multiply by exactly 1
+    return _save(Qwen3ForCausalLM(config), out)
+
+
+def _save(model, out: Path) -> Path:
+    """Random norm weights around 1 (so the norms' rounding is not a multiply by exactly 1), the LM head scaled to
+    ``LOGIT_SCALE``, saved in bf16 with the shipped tokenizer."""
+    from roundalign import models
+
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
         model.lm_head.weight.mul_(LOGIT_SCALE)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(shipped / name, out / name)
+        shutil.copy(models.path("tiny-qwen3") / name, out / name)
     return out
 
 
 def build_llama(out: str | Path) -> Path:
     """A random Llama (head_dim 128) in ``out``, like ``build``; returns ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from roundalign import models
 
     out = Path(out)
     if (out / "model.safetensors").is_file():
@@ -74,16 +77,7 @@ def build_llama(out: str | Path) -> Path:
         tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
-        model.lm_head.weight.mul_(LOGIT_SCALE)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(models.path("tiny-qwen3") / name, out / name)
-    return out
+    return _save(LlamaForCausalLM(config), out)
 
 
 if __name__ == "__main__":

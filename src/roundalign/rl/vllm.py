@@ -32,15 +32,6 @@ from roundalign.errors import UserError
 from roundalign.profiles import PROFILES, for_engine
 from roundalign.rollouts import Rollout
 
-# Before vLLM is imported: the engine core in this process (the trainer reloads its weights in place), a 1 GiB CPU
-# KV cache (ample for RL batches of small models; set VLLM_CPU_KVCACHE_SPACE for more), threads bound as in a dump.
-ENVIRONMENT = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",
-    "HF_HUB_OFFLINE": "1",
-}
-
 
 def _installed_vllm() -> str:
     try:
@@ -58,16 +49,14 @@ def _installed_vllm() -> str:
 
 def build_info(enforce_eager: bool) -> dict:
     """What ``engine.json`` would say of the vLLM build in this environment, for choosing its profile."""
-    import platform
+    from roundalign.dump.vllm import _cpu_bf16_conversion
 
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    conversion = ("round_to_nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate") if x86 else None
     return {
         "engine": "vllm",
         "engine_version": _installed_vllm(),
         "device": "cpu",
         "enforce_eager": enforce_eager,
-        "cpu_bf16_conversion": conversion,
+        "cpu_bf16_conversion": _cpu_bf16_conversion(torch, "cpu"),
     }
 
 
@@ -93,11 +82,13 @@ class VllmEngine:
         if dtype != torch.bfloat16:
             raise UserError("--engine vllm serves bfloat16 (the CPU build's dtype here); drop --dtype")
         _installed_vllm()
+        from roundalign.dump.vllm import ENVIRONMENT, engine_info
+
+        # As a dump sets it, before vLLM is imported: the engine core in this process (here so that the trainer can
+        # reload its weights in place), a 1 GiB CPU KV cache (set VLLM_CPU_KVCACHE_SPACE for more), bound threads.
         for key, value in ENVIRONMENT.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
-
-        from roundalign.dump.vllm import engine_info
 
         self.model_dir = Path(model_dir)
         self.llm = LLM(
