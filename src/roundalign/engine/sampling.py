@@ -133,11 +133,13 @@ def token_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.
     return src.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
+def request_seeds(seed: int, n: int) -> list[int]:
+    """One seed per sequence, derived from ``(seed, index)``: the requests of a batch sample independently, and the
+    same (seed, index) always gives the same stream (a real engine's per-request seeds take these too)."""
+    return [int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1 for i in range(n)]
+
+
 def request_generators(seed: int | None, n: int) -> list[torch.Generator]:
-    """One generator per sequence, seeded from ``(seed, index)``; a fresh random seed when ``seed`` is None."""
+    """One generator per sequence, seeded by ``request_seeds``; a fresh random seed when ``seed`` is None."""
     base = secrets.randbits(63) if seed is None else seed
-    out = []
-    for i in range(n):
-        digest = hashlib.sha256(f"{base}:{i}".encode()).digest()
-        out.append(torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1))
-    return out
+    return [torch.Generator().manual_seed(s) for s in request_seeds(base, n)]

@@ -19,7 +19,6 @@ reference engine derives its generators (so a group's completions differ). Writt
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import os
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine.loader import read_tokenizer
-from roundalign.engine.sampling import SamplingParams
+from roundalign.engine.sampling import SamplingParams, request_seeds
 from roundalign.errors import UserError
 from roundalign.profiles import PROFILES, for_engine
 from roundalign.rollouts import Rollout
@@ -67,14 +66,6 @@ def trainer_profile(enforce_eager: bool) -> str:
     return f"{base}-kernels" if f"{base}-kernels" in PROFILES else base
 
 
-def request_seeds(seed: int | None, n: int) -> list[int | None]:
-    """One seed per request from ``(seed, index)``, as ``roundalign.engine.sampling.request_generators`` derives
-    its generators."""
-    if seed is None:
-        return [None] * n
-    return [int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1 for i in range(n)]
-
-
 class VllmEngine:
     """``vllm.LLM`` behind the reference engine's interface, for the GRPO loop (rl/loop.py)."""
 
@@ -109,7 +100,8 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        seeds = request_seeds(params.seed, len(ids))
+        # Per request, as the reference engine derives its generators, so a group's completions differ.
+        seeds = [None] * len(ids) if params.seed is None else request_seeds(params.seed, len(ids))
         requests = [
             VllmParams(
                 n=1,
