@@ -61,6 +61,13 @@ def check(profile: Profile, model) -> None:
 # attention
 
 
+def _no_autocast(t: torch.Tensor):
+    """The engine kernels run on the 16-bit tensors they are given, with no autocast: under TRL's ``bf16=True`` (CPU
+    autocast) the reference kernels' fp32 arithmetic (attention's softmax and products over the fp32 KV cache) would
+    otherwise be cast down to bf16, which the engine never does."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 class _EngineAttention(torch.autograd.Function):
     """Forward: ``run(q, k, v)`` (an engine kernel). Backward: the gradient of ``standard(q, k, v)``, recomputed."""
 
@@ -68,7 +75,8 @@ class _EngineAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, run, standard):
         ctx.standard = standard
         ctx.save_for_backward(q, k, v)
-        return run(q, k, v)
+        with _no_autocast(q):
+            return run(q, k, v)
 
     @staticmethod
     def backward(ctx, grad):
@@ -166,7 +174,8 @@ class _EngineLinear(torch.autograd.Function):
         weights, biases = params[:n_weights], params[n_weights:]
         ctx.n_weights, ctx.has_bias = n_weights, bool(biases)
         ctx.save_for_backward(x, *weights)
-        return run(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        with _no_autocast(x):
+            return run(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
