@@ -87,15 +87,15 @@ class Capture(TrainerCallback):
         self.weights.append(self.snapshot())
 
 
-def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1, **config):
-    """3 steps of the policy patched ``vllm`` sampled by a ``vllm`` engine, recorded by ``Capture``."""
+def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1, profile="vllm", **config):
+    """3 steps of the policy patched ``profile`` sampled by an engine with ``profile``, recorded by ``Capture``."""
     model, tokenizer = trl_setup.policy(fp32)
-    patch_policy(model, "vllm")
+    patch_policy(model, profile)
     trainer = trl_setup.trainer(
         model, tokenizer, str(tmp_path), fp32=fp32, steps=steps, temperature=TEMPERATURE, **config
     )
     rollout = EngineRolloutFunc(
-        engine_profile="vllm",
+        engine_profile=profile,
         sync=sync,
         seed=3,
         attribution_every=attribution_every,
@@ -103,6 +103,15 @@ def run_trainer(tmp_path, *, fp32=True, sync="rne", steps=3, attribution_every=1
     )
     rollout.attach(trainer)
     capture = Capture(trainer, rollout)
+    inner = trainer._get_per_token_logps_and_entropies
+    capture.scored = []  # every log-prob TRL computed: the recompute (old_per_token_logps) and the loss's forward
+
+    def scored(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = inner(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        capture.scored.append((input_ids[:, -logits_to_keep:].clone(), out[0].detach().clone()))
+        return out
+
+    trainer._get_per_token_logps_and_entropies = scored
     trainer.train()
     return trainer, rollout, capture
 
@@ -261,6 +270,91 @@ def test_aligned_policy_computes_the_engine_prefill_bitwise_in_trls_batch(aligne
 def test_attribution_restores_the_policy_profile(aligned_run):
     trainer, _, _ = aligned_run
     assert roundalign.patched_profile(trainer.model).name == "vllm"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exactly on-policy: the reference engine's kernels in the engine and the policy, the engine's log-prob head in TRL
+
+
+@pytest.fixture(scope="module", params=["fp32-autocast", "bf16"])
+def exact_run(request, tmp_path_factory):
+    return run_trainer(
+        tmp_path_factory.mktemp("exact"),
+        fp32=request.param == "fp32-autocast",
+        profile="vllm-reference-kernels",
+        attribution_every=0,
+    )
+
+
+def test_exact_policy_reproduces_the_sampler_logprobs_at_every_step(exact_run):
+    """Every log-prob TRL computes (its recompute and the loss's own forward, in its padded batch, under its
+    autocast) equals the engine's decode log-prob bit for bit; the IS ratio is exactly 1 and k3_kl exactly 0."""
+    trainer, _, capture = exact_run
+    logs = trl_setup.step_logs(trainer)
+    assert len(capture.batches) == len(logs) == 3
+    assert len(capture.scored) == 2 * len(capture.batches)  # per step: the recompute, then the loss's forward
+    for i, (batch, log) in enumerate(zip(capture.batches, logs, strict=True)):
+        out = batch["output"]
+        mask = out["completion_mask"].bool()
+        engine = _padded(batch["rescored"], mask.shape[1])  # the engine's decode log-probs, re-scored by it
+        assert torch.equal(out["sampling_per_token_logps"][mask], engine[mask])
+        assert torch.equal(out["old_per_token_logps"][mask], engine[mask])
+        for completion_ids, trl_logps in capture.scored[2 * i : 2 * i + 2]:
+            # TRL shuffles the batch before the loss's forward: match each row to its completion.
+            rows = [_row_of(c, out["completion_ids"], mask) for c in completion_ids]
+            assert torch.equal(trl_logps[mask[rows]], engine[rows][mask[rows]])
+        assert bool((out["importance_sampling_ratio"] == 1).all())
+        assert log["rollout_corr/k3_kl"] == 0 and log["mismatch/bitwise_equal_frac"] == 1
+        assert log["sampling/sampling_logp_difference/max"] == 0
+
+
+def _row_of(completion: torch.Tensor, completions: torch.Tensor, mask: torch.Tensor) -> int:
+    rows = [i for i, (c, m) in enumerate(zip(completions, mask, strict=True)) if torch.equal(c[m], completion[m])]
+    assert rows, "a scored completion that is not in the batch"
+    return rows[0]  # identical completions of one prompt have identical log-probs
+
+
+def test_trls_own_fused_head_is_not_exact(exact_run):
+    """Why the engine's log-prob head replaces TRL's: TRL's chunked online log-sum-exp on the same policy's logits
+    lands within ~1e-6 nats of the engine, not on it."""
+    trainer, rollout, capture = exact_run
+    batch = capture.batches[-1]
+    out, r = batch["output"], batch["rollout"]
+    # The engine's decode log-probs of these tokens at the current weights (it was synced after the last step).
+    engine = rollout.engine.score(r["prompt_ids"], r["completion_ids"], mode="decode", temperature=TEMPERATURE)
+    trl_forward = unwrap_policy(trainer)._roundalign_trl_head["trl_forward"]  # TRL's add_fused_lm_head forward
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, : out["prompt_ids"].shape[1]] = -100
+    with torch.no_grad(), trainer.accelerator.autocast():
+        trl = trl_forward(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs
+    mask = out["completion_mask"].bool()
+    engine = _padded(engine, mask.shape[1])[mask]
+    trl = trl[:, out["prompt_ids"].shape[1] - 1 :][mask]
+    assert not torch.equal(trl, engine)
+    assert (trl - engine).abs().max() < 1e-5
+
+
+def test_engine_logprob_head_forward_and_gradient():
+    from roundalign.integrations.trl_logprobs import engine_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(37, 264, generator=g)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 264, (37,), generator=g)
+    picked, entropy = engine_logprobs(logits, targets, TEMPERATURE)
+    # The forward: the engine's formula (roundalign.engine.sampling), bit for bit.
+    logp = (logits.detach().float() / TEMPERATURE).log_softmax(-1)
+    assert torch.equal(picked, logp.gather(-1, targets[:, None])[:, 0])
+    assert torch.equal(entropy, -(logp.exp() * logp).sum(-1))
+    # The backward: autograd's gradient of the same formula (a standard gradient, recomputed in chunks).
+    w1, w2 = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    (picked * w1 + entropy * w2).sum().backward()
+    ref = logits.detach().clone().requires_grad_()
+    lp = (ref.float() / TEMPERATURE).log_softmax(-1)
+    (lp.gather(-1, targets[:, None])[:, 0] * w1 - (lp.exp() * lp).sum(-1) * w2).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), ref.grad.float(), rtol=2**-7, atol=2**-24)  # one bf16 ulp
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -70,6 +70,10 @@ def patch_policy(model_or_trainer, profile: str | Profile = "vllm", **region_ove
         check_not_sharded(model, what)
     for _, model in targets:
         roundalign.apply(model, prof, allow_non_bf16=True, **region_overrides)
+    if _is_trainer(model_or_trainer):  # built already: TRL's fused head is in place to be replaced
+        from roundalign.integrations import trl_logprobs
+
+        trl_logprobs.install_for_trainer(model_or_trainer)
     return targets[0][1]
 
 
