@@ -119,7 +119,13 @@ def test_small_run_writes_report_rollouts_and_plots(capsys, tmp_path, model_dir)
     assert "k3" in text and "hf" in text and "vllm" in text
     report = load_report(out / "report.json")  # validates against the schema
     assert report["tokens"]["sequences"] == 3
-    assert {c["trainer_profile"] for c in report["comparisons"]} == {"hf", "vllm"}
+    # The default run: the reference engine with its decode-consistent kernels, and three trainers: stock HF, the
+    # rounding rules alone, and the same kernels, which is exactly on-policy (decode and prefill references alike).
+    assert report["engine"]["profile"]["name"] == "vllm-reference-kernels"
+    assert {c["trainer_profile"] for c in report["comparisons"]} == {"hf", "vllm", "vllm-reference-kernels"}
+    for c in report["comparisons"]:
+        exact = c["metrics"]["mismatch/bitwise_equal_frac"] == 1.0 and c["metrics"]["rollout_corr/k3_kl"] == 0.0
+        assert exact == (c["trainer_profile"] == "vllm-reference-kernels"), c
     for name in ("log_ratio_hist.png", "layer_agreement.png", "attribution.png"):
         assert (out / name).stat().st_size > 5000
     lines = (out / "rollouts.jsonl").read_text().splitlines()

@@ -94,6 +94,27 @@ def test_hf_trainer_against_vllm_engine_is_attributed(model_dir):
     assert len(arrays["log_ratios"]["hf vs kernels/prefill"]) == report["tokens"]["completion_tokens"]
 
 
+def test_kernels_are_attributed_beside_the_regions(model_dir):
+    """The default engine (vllm-reference-kernels) against the rounding rules alone: no rounding region differs, so
+    the attribution's two kernel entries carry the gap, and both together (the engine profile) close it."""
+    cfg = ProbeConfig(
+        model=str(model_dir), trainer_profiles=("vllm",), prompts=_prompts(4), num_samples=4, max_tokens=12,
+        layer_sequences=0,
+    )  # fmt: skip
+    report, _ = run_probe(cfg)
+    assert report["engine"]["profile"]["name"] == "vllm-reference-kernels"
+    for entry in report["attribution"]:  # decode and prefill
+        assert entry["trainer_profile"] == "vllm" and entry["target"] == 0.0
+        by_region = {r["region"]: r for r in entry["regions"]}
+        assert [r for r, e in by_region.items() if not e["same_rule"]] == ["attention", "gemm"]
+        assert (by_region["attention"]["trainer_rule"], by_region["attention"]["engine_rule"]) == ("hf", "reference")
+        assert (by_region["gemm"]["trainer_rule"], by_region["gemm"]["engine_rule"]) == ("torch", "reference")
+        # Two kernels: the engine profile with only attention put back is the trainer with only gemm switched.
+        assert by_region["attention"]["alone"] == by_region["gemm"]["value"]
+        assert by_region["gemm"]["alone"] == by_region["attention"]["value"]
+        assert entry["base"] > 0  # the random test model: HF's kernels are not the engine's decode ones
+
+
 def test_jsonl_import_matches_the_engine_decode_reference(model_dir, tmp_path):
     cfg = ProbeConfig(
         model=str(model_dir),

@@ -92,8 +92,12 @@ def as_plain(p: Profile) -> tuple:
 KERNEL_PROFILES = {f"{base}-kernels": base for base in FACT_SHEET if base.startswith("vllm-0.32-cpu")}
 
 
+# The reference engine's decode-consistent kernels with the default profile's rules (docs/kernels.md).
+REFERENCE_KERNEL_PROFILES = {"vllm-reference-kernels": "vllm"}
+
+
 def test_named_profiles_are_the_fact_sheet_ones():
-    assert sorted(list_profiles()) == sorted([*FACT_SHEET, *KERNEL_PROFILES])
+    assert sorted(list_profiles()) == sorted([*FACT_SHEET, *KERNEL_PROFILES, *REFERENCE_KERNEL_PROFILES])
     assert roundalign.list_profiles() == list_profiles()
 
 
@@ -105,6 +109,14 @@ def test_kernel_profiles_are_their_builds_rules_with_vllms_kernels(name):
     assert (str(base.attention), str(base.gemm)) == ("hf", "torch") and not base.uses_engine_kernels
     assert not p.same_rules(base) and p.rounding_only().name == base.name and p.rounding_only().same_rules(base)
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_reference_kernel_profile_is_vllms_rules_with_the_reference_kernels():
+    p, base = get_profile("vllm-reference-kernels"), get_profile("vllm")
+    assert as_plain(p) == as_plain(base) and p.rope_angles == base.rope_angles
+    assert (str(p.attention), str(p.gemm)) == ("reference", "reference")
+    assert p.same_rules(base.replace(attention="reference", gemm="reference"))
+    assert p.rounding_only().name == "vllm" and p.rounding_only().same_rules(base)
 
 
 def test_kernels_are_profile_data():

@@ -264,7 +264,7 @@ class Profile:
         if not self.uses_engine_kernels:
             return self
         stock = dataclasses.replace(self, attention=AttentionKernel.HF, gemm=GemmKernel.TORCH)
-        base = PROFILES.get(self.name.removesuffix("-kernels"))
+        base = PROFILES.get(self.name.removesuffix("-reference-kernels").removesuffix("-kernels"))
         name = base.name if base is not None and base.rules() == stock.rules() else f"{self.name}-rounding"
         return dataclasses.replace(stock, name=name)
 
@@ -503,6 +503,19 @@ for _base in ("vllm-0.32-cpu", "vllm-0.32-cpu-eager", "vllm-0.32-cpu-eager-nobf1
         source=PROFILES[_base].source + "; kernels: vllm/v1/attention/backends/cpu_attn.py and "
         "vllm/model_executor/layers/utils.py (dispatch_cpu_unquantized_gemm), called as vLLM calls them",
     )
+
+# The reference engine's own decode-consistent kernels with the default profile's rules: the engine computes every
+# row as its decode does, so its sampler's log-probs, its prefill and a trainer with this profile are bitwise equal
+# on any CPU (tests/test_kernels.py; the demo's exact trainer).
+PROFILES["vllm-reference-kernels"] = dataclasses.replace(
+    PROFILES["vllm"],
+    name="vllm-reference-kernels",
+    attention=AttentionKernel.REFERENCE,
+    gemm=GemmKernel.REFERENCE,
+    engines="roundalign's reference engine serving the vllm profile (roundalign.engine); with the engine's "
+    "decode-consistent kernels (attention and every GEMM one row at a time) in the engine and in the trainer",
+    source=PROFILES["vllm"].source + "; kernels: roundalign.engine.attention.decode_attention, one GEMM call per row",
+)
 
 
 # The built-in profile per measured engine build:

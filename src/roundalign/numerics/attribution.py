@@ -19,6 +19,10 @@ does) reads as a share of tens or thousands of percent, of either sign. The entr
 ``share_undefined``, and the table and the plot show no share for it; the raw ``share`` stays in the report.
 ``alone_share`` is a fraction of ``base``, not of the gap, and stays meaningful.
 
+When either profile names engine kernels (``Profile.attention``, ``Profile.gemm``), the two kernels are attributed
+the same way, as two more entries (``attention``, ``gemm``): the rounding regions alone cannot close a gap that
+the kernels make.
+
 Per layer: the probe compares the residual stream after each decoder layer, trainer vs engine, in prefill
 (``roundalign.numerics.metrics.layer_agreement``); the first layer where they part is where the mismatch starts.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roundalign import support
-from roundalign.profiles import REGIONS, Profile, get_profile
+from roundalign.profiles import KERNELS, REGIONS, Profile, get_profile
 
 # The metric the shares are computed on: RMS of the per-token log-ratio, in nats. Unlike k3_kl it is linear in
 # the size of the error, so halving every deviation halves it, and a share reads as "fraction of the deviation".
@@ -93,6 +97,14 @@ def region_switches(base: str | Profile, engine: str | Profile, config) -> list[
         profile = None if same else base.replace(**{region: e})
         alone = None if same else engine.replace(**{region: getattr(base, region)})
         out.append(RegionSwitch(region, str(t), str(e), profile, alone))
+    if base.uses_engine_kernels or engine.uses_engine_kernels:
+        # The kernels are two more places the numbers can part: attributed like a region, one switched at a time.
+        for kernel in KERNELS:
+            t, e = getattr(base, kernel), getattr(engine, kernel)
+            same = t == e
+            profile = None if same else base.replace(**{kernel: e})
+            alone = None if same else engine.replace(**{kernel: t})
+            out.append(RegionSwitch(kernel, str(t), str(e), profile, alone))
     return out
 
 

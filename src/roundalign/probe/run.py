@@ -55,8 +55,11 @@ class ProbeConfig:
     ``top_p``). ``validate()`` returns a checked copy with the defaults that depend on other fields filled in."""
 
     model: str | None = None  # None: the shipped tiny-qwen3
-    engine_profile: str | None = None  # None: vllm, or the profile of the real engine that ran (profiles.for_engine)
-    trainer_profiles: tuple[str, ...] | None = None  # None: ("hf", engine_profile)
+    # None: vllm-reference-kernels (the reference engine), or the profile of the real engine that ran
+    # (profiles.for_engine).
+    engine_profile: str | None = None
+    # None: hf, the engine profile's rounding rules alone (when it names kernels) and the engine profile.
+    trainer_profiles: tuple[str, ...] | None = None
     backends: tuple[str, ...] | None = None  # None: every backend that implements the engine profile
     prompts: list[str] | list[list[int]] | None = None  # None: arithmetic word problems
     num_samples: int | None = None  # None here and below: SAMPLING_DEFAULTS, when sampling
@@ -88,7 +91,8 @@ class ProbeConfig:
             raise UserError(f"{given} applies to a real engine's run; add --engine vllm")
         name = self.engine_profile or _default_engine_profile(self.engine_logprobs)
         engine = get_profile(name)  # unknown name: UserError listing the profiles
-        given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or ("hf", engine)]
+        default = ("hf", engine.rounding_only(), engine) if engine.uses_engine_kernels else ("hf", engine)
+        given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or default]
         profiles = {p.name: p for p in given}
         fields = dict(
             self.__dict__,
@@ -164,13 +168,15 @@ class ProbeConfig:
 
 
 def _default_engine_profile(engine_logprobs: str | None) -> str:
-    """``vllm``, or for a dump directory the built-in profile of the engine build that wrote it."""
+    """For a dump directory the built-in profile of the engine build that wrote it; ``vllm`` for a jsonl file; else
+    ``vllm-reference-kernels``: the reference engine with its decode-consistent kernels, so that the default run
+    shows a trainer that is exactly on-policy beside stock HF and rounding alignment alone."""
     if engine_logprobs is not None and Path(engine_logprobs).is_dir():
         from roundalign.profiles import for_engine
         from roundalign.rollouts.dumpdir import read_info
 
         return for_engine(read_info(engine_logprobs))
-    return "vllm"
+    return "vllm" if engine_logprobs is not None else "vllm-reference-kernels"
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
