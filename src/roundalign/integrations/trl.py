@@ -158,7 +158,7 @@ class EngineRolloutFunc:
                     f"sync={self.sync_mode!r} exports fp32 master weights, but the policy has {', '.join(dtypes)} "
                     "parameters; load it in fp32 and train with bf16=True (TRL's usual setup), or use sync='rne'"
                 )
-        self.engine = Engine(policy, profile=self.engine_profile, backend=self.backend, dtype=self.dtype)
+        self.engine = self._make_engine(trainer, policy)
         self.trainer = trainer
         # The hook: TRL's vLLM branch (IS correction, sampling/* metrics, per-step sync call) reads these at run time.
         trainer.use_vllm = True
@@ -174,6 +174,10 @@ class EngineRolloutFunc:
         trainer.add_callback(trl_metrics.RoundalignCallback(self))
         self.sync()
         return self
+
+    def _make_engine(self, trainer, policy):
+        """The sampler, built at ``attach`` from the unwrapped policy: the reference engine here."""
+        return Engine(policy, profile=self.engine_profile, backend=self.backend, dtype=self.dtype)
 
     # ----------------------------------------------------------------------------------------------------------
     # the rollout_func
@@ -229,14 +233,18 @@ class EngineRolloutFunc:
         policy = unwrap_policy(self.trainer)
         with torch.no_grad():
             master = {name: t.detach() for name, t in policy.state_dict().items()}
-            self.engine.load_weights(master, sync=self.sync_mode, seed=self.seed)
+            served = self._load(master)
         self.syncs += 1
         self._synced_step = self.trainer.state.global_step
         if self.tracker is None:
             return {}
-        served = self.engine.weights.state_dict()
         # The tracker measures what reached the engine from the master; a bf16 policy's master is its own weights.
         return self.tracker.update({n: t.float() for n, t in master.items()}, {n: served[n] for n in master})
+
+    def _load(self, master: dict) -> dict:
+        """Export ``master`` with the sync mode into the engine; returns the served copy (HF names)."""
+        self.engine.load_weights(master, sync=self.sync_mode, seed=self.seed)
+        return self.engine.weights.state_dict()
 
     def _sync_if_stale(self) -> None:
         if self._synced_step != self.trainer.state.global_step:

@@ -107,6 +107,7 @@ class VllmEngine:
                 n=1,
                 temperature=params.temperature,
                 top_p=params.top_p,
+                top_k=params.top_k,  # 0: every token, in vLLM's convention as in ours
                 max_tokens=min(params.max_tokens, self.max_model_len - len(p)),
                 seed=s,
                 logprobs=0,
