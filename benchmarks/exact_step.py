@@ -16,7 +16,7 @@ ratios to stock in the same run, then one more step per variant measures the pea
 (``torch.profiler``, as benchmarks/model_step.py measures it).
 
     .venv-vllm/bin/python benchmarks/exact_step.py --quick                     # a smoke run
-    .venv-vllm/bin/python benchmarks/exact_step.py --json exact.json           # the suite (~5 min on 2 cores)
+    .venv-vllm/bin/python benchmarks/exact_step.py --json exact.json           # the suite (~10 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 from _machine import machine_info
-from model_step import build_model, measure_peak
+from model_step import MODELS, build_model, measure_peak
 
 import roundalign
 from roundalign.rl.vllm import trainer_profile
@@ -40,10 +40,11 @@ from roundalign.rl.vllm import trainer_profile
 VARIANTS = ("stock", "rounding", "exact")
 PASSES = ("train step", "recompute")
 # (model, batch, longest sequence, rounds)
-# Sized for about 5 minutes on a 2-core AVX2 CPU, where a bf16 training step is slow (8 x 128 tokens of the tiny
-# model: ~7 s; one of benchmarks/model_step.py's 0.6B shape did not finish 12 steps in 25 minutes). Pass
-# --model qwen3-0.6b-2l on a machine with native bf16 GEMMs (AVX512-BF16, AMX).
-FULL_CASES = (("tiny-qwen3", 8, 128, 10),)
+# Sized for about 10 minutes on a 2-core AVX2 CPU, where a bf16 training step is slow (8 x 128 tokens of the tiny
+# model: ~7 s; one of benchmarks/model_step.py's 0.6B shape did not finish 12 steps in 25 minutes). The second
+# case has Qwen3-0.6B's layers (head_dim 128, 16 q / 8 kv heads) and a 16k vocabulary. Pass --model qwen3-0.6b-2l
+# (the real 151,936-token vocabulary) on a machine with native bf16 GEMMs (AVX512-BF16, AMX).
+FULL_CASES = (("tiny-qwen3", 8, 128, 10), ("qwen3-0.6b-2l-v16k", 2, 128, 4))
 QUICK_CASES = (("tiny-qwen3", 2, 32, 2),)
 
 
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny-qwen3 at 2 x 32 tokens, 2 rounds: a smoke run")
     ap.add_argument("--rounds", type=int, help="rounds per case, the first is warm-up")
-    ap.add_argument("--model", choices=("tiny-qwen3", "qwen3-0.6b-2l"), help="one model instead of the suite's cases")
+    ap.add_argument("--model", choices=MODELS, help="one model instead of the suite's cases")
+    ap.add_argument("--batch", type=int, help="with --model: rows per batch (default 8 for tiny-qwen3, else 1)")
+    ap.add_argument("--seq", type=int, help="with --model: the longest row's tokens (default 128, 512 for 0.6B)")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="the vLLM mode whose profile to time (default: eager, the exact one)")  # fmt: skip
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
@@ -154,8 +157,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"profiles: rounding = {profiles['rounding']}, exact = {profiles['exact']}; medians, ratios to stock")
     rows = []
     cases = QUICK_CASES if args.quick else FULL_CASES
+    if (args.batch or args.seq) and not args.model:
+        ap.error("--batch and --seq size the --model case; the suite's cases have their own")
     if args.model:
-        cases = ((args.model, 8, 128, 10),) if args.model == "tiny-qwen3" else ((args.model, 1, 512, 4),)
+        tiny = args.model == "tiny-qwen3"
+        batch, seq = args.batch or (8 if tiny else 1), args.seq or (128 if tiny else 512)
+        cases = ((args.model, batch, seq, 10 if tiny else 4),)
     for name, batch, seq, rounds in cases:
         rows.extend(run_case(name, batch, seq, args.rounds or rounds, args.seed, profiles))
         print(format_table(rows), flush=True)  # after each case: a long suite shows what it has

@@ -5,7 +5,9 @@ trainer pays for a whole step. Two models:
 
 - ``tiny-qwen3``: the shipped model (hidden 256, 4 layers), a batch of 8 x 128 random token ids;
 - ``qwen3-0.6b-2l``: Qwen3-0.6B's shape (hidden 1024, intermediate 3072, 16 q / 8 kv heads, head_dim 128, the real
-  vocab of 151936, tied embeddings as in the real model) cut to 2 layers, random init from a config, bf16.
+  vocab of 151936, tied embeddings as in the real model) cut to 2 layers, random init from a config, bf16;
+  ``qwen3-0.6b-2l-v16k`` is the same with a 16,384-token vocabulary (benchmarks/exact_step.py's second shape, sized
+  for a CPU without native bf16 GEMMs).
 
 Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all
 start from the same weights), and ``aligned+compile_ops`` (``apply(..., compile_ops=True)``: the ops' Inductor-fused
@@ -65,15 +67,18 @@ def build_model(name: str) -> transformers.PreTrainedModel:
         return transformers.AutoModelForCausalLM.from_pretrained(
             roundalign.models.path("tiny-qwen3"), dtype=torch.bfloat16, attn_implementation="sdpa"
         )
-    if name == "qwen3-0.6b-2l":
+    if name in ("qwen3-0.6b-2l", "qwen3-0.6b-2l-v16k"):
         config = transformers.Qwen3Config(
             hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-            max_position_embeddings=40960, rms_norm_eps=1e-6,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936 if name == "qwen3-0.6b-2l" else 16384,
+            tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )  # fmt: skip
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    raise ValueError(f"unknown benchmark model {name!r}; choose tiny-qwen3 or qwen3-0.6b-2l")
+    raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+MODELS = ("tiny-qwen3", "qwen3-0.6b-2l", "qwen3-0.6b-2l-v16k")
 
 
 def storage_key(t: torch.Tensor) -> int:

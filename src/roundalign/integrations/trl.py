@@ -31,6 +31,10 @@ TRL's own per-step weight-sync call. That is the whole hook: TRL's vLLM branch t
 its IS ratio (``vllm_importance_sampling_mode`` / ``_clip_min`` / ``_clip_max``) and ``sampling/*`` from the
 engine's log-probs, exactly as it does for vLLM's. ``tests/test_integration_trl.py`` proves both halves.
 
+A policy whose profile names engine kernels (``vllm-reference-kernels``, a vLLM ``-kernels`` profile) is exactly
+on-policy: ``attach`` replaces TRL's fused log-prob head on it with the engine's log-softmax (``trl_logprobs.py``),
+so every log-prob TRL computes is the sampler's bit for bit. The real vLLM as sampler: ``trl_vllm.VllmRolloutFunc``.
+
 Metrics (``trl_metrics.py``) go into TRL's own metric buffers, so they appear in ``trainer.state.log_history`` and
 every ``report_to`` backend with TRL's averaging over ``logging_steps``.
 """
