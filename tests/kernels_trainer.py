@@ -81,6 +81,26 @@ def step_grads(model, dump, checkpointing: bool) -> dict[str, torch.Tensor]:
     return grads
 
 
+def backbone_grads(model, dump) -> dict[str, dict[str, torch.Tensor]]:
+    """Under ``forward='vllm-cpu-compiled'``: the parameter gradients of the backbone's compiled forward and of the
+    model's own patched (eager) forward, for the same upstream gradient on the final hidden states."""
+    from roundalign.profiles import ForwardKernel
+
+    if roundalign.patched_profile(model).forward is not ForwardKernel.VLLM_CPU_COMPILED:
+        return {}
+    r = dump.rollouts[0]
+    ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+    base = model.model
+    upstream = torch.randn(1, ids.shape[1], model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, forward in (("compiled", base), ("eager", lambda **kw: type(base).forward(base, **kw))):
+        model.zero_grad(set_to_none=True)
+        forward(input_ids=ids).last_hidden_state.backward(upstream.to(torch.bfloat16))
+        out[name] = {n: p.grad.clone() for n, p in base.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def main(model_dir: str, dump_dir: str, profile: str, out: str) -> None:
     torch.manual_seed(0)
     model = load_model(model_dir).eval()
@@ -99,6 +119,7 @@ def main(model_dir: str, dump_dir: str, profile: str, out: str) -> None:
         "attention_grads": attention_grads(model),
         "step": step_grads(model, dump, checkpointing=False),
         "step_checkpointed": step_grads(model, dump, checkpointing=True),
+        "backbone_grads": backbone_grads(model, dump),
     }
     torch.save(result, out)
 

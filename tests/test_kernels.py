@@ -205,3 +205,15 @@ def test_vllm_kernels_without_vllm_name_the_fix():
     assert roundalign.patched_profile(model) is None
     with pytest.raises(UserError, match="reference engine computes with its own.*vllm-0.32-cpu-eager'"):
         Engine(models.path(), "vllm-0.32-cpu-eager-kernels")
+
+
+def test_compiled_forward_needs_vllms_kernels_and_vllm():
+    """forward='vllm-cpu-compiled' is vLLM's compiled graph with vLLM's attention and GEMM inside: a profile that
+    names other kernels is refused with the fix, and without vLLM the compiled profile names where to get it."""
+    model = load_trainer_model(models.path())
+    with pytest.raises(UserError, match=r"attention='vllm-cpu' and gemm='vllm-cpu'.*vllm-0\.32-cpu-kernels"):
+        roundalign.apply(model, roundalign.get_profile("vllm-reference-kernels").replace(forward="vllm-cpu-compiled"))
+    with pytest.raises(UserError, match=r"vllm cannot be imported here.*make vllm"):
+        roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels")
+    assert roundalign.patched_profile(model) is None
+    assert not hasattr(model.model, "_roundalign_graph") and "forward" not in vars(model.model)

@@ -92,12 +92,15 @@ def as_plain(p: Profile) -> tuple:
 KERNEL_PROFILES = {f"{base}-kernels": base for base in FACT_SHEET if base.startswith("vllm-0.32-cpu")}
 
 
-# The reference engine's decode-consistent kernels with the default profile's rules (docs/kernels.md).
+# The reference engine's decode-consistent kernels with the default profile's rules (docs/kernels.md), and vLLM's
+# compiled CPU mode with its forward code compiled in the trainer (roundalign.kernels.graph).
 REFERENCE_KERNEL_PROFILES = {"vllm-reference-kernels": "vllm"}
+COMPILED_PROFILES = {"vllm-0.32-cpu-compiled-kernels": "vllm-0.32-cpu"}
 
 
 def test_named_profiles_are_the_fact_sheet_ones():
-    assert sorted(list_profiles()) == sorted([*FACT_SHEET, *KERNEL_PROFILES, *REFERENCE_KERNEL_PROFILES])
+    expected = [*FACT_SHEET, *KERNEL_PROFILES, *REFERENCE_KERNEL_PROFILES, *COMPILED_PROFILES]
+    assert sorted(list_profiles()) == sorted(expected)
     assert roundalign.list_profiles() == list_profiles()
 
 
@@ -117,6 +120,16 @@ def test_reference_kernel_profile_is_vllms_rules_with_the_reference_kernels():
     assert (str(p.attention), str(p.gemm)) == ("reference", "reference")
     assert p.same_rules(base.replace(attention="reference", gemm="reference"))
     assert p.rounding_only().name == "vllm" and p.rounding_only().same_rules(base)
+
+
+def test_compiled_profile_is_the_compiled_builds_rules_with_vllms_kernels_and_forward():
+    p, base = get_profile("vllm-0.32-cpu-compiled-kernels"), get_profile("vllm-0.32-cpu")
+    assert as_plain(p) == as_plain(base)
+    assert (str(p.attention), str(p.gemm), str(p.forward)) == ("vllm-cpu", "vllm-cpu", "vllm-cpu-compiled")
+    assert p.same_rules(get_profile("vllm-0.32-cpu-kernels").replace(forward="vllm-cpu-compiled"))
+    assert p.rounding_only().name == "vllm-0.32-cpu" and p.rounding_only().same_rules(base)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert str(get_profile("vllm-0.32-cpu-kernels").forward) == "hf"  # files without the field load with HF's
 
 
 def test_kernels_are_profile_data():
@@ -302,7 +315,7 @@ def test_save_load_round_trip(name, tmp_path):
     path = tmp_path / f"{name}.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert set(data) == {"name", *REGIONS, "rope_angles", "attention", "gemm", "engines", "source"}
+    assert set(data) == {"name", *REGIONS, "rope_angles", "attention", "gemm", "forward", "engines", "source"}
     assert all(isinstance(v, (str, dict)) for v in data.values()), "plain JSON: strings, and a dict for HeadDimRope"
     q = Profile.load(path)
     assert q == p

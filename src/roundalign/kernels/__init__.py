@@ -30,12 +30,22 @@ import torch.nn.functional as F
 from roundalign.errors import UserError
 from roundalign.kernels import batch as _batch
 from roundalign.mixed_precision import engine_weight, low_dtype
-from roundalign.profiles import AttentionKernel, GemmKernel, Profile
+from roundalign.profiles import AttentionKernel, ForwardKernel, GemmKernel, Profile
 
 
 def check(profile: Profile, model) -> None:
     """Raise a clear error, at ``apply`` time, where this model cannot run the profile's kernels here."""
     config = model.config
+    if profile.forward is ForwardKernel.VLLM_CPU_COMPILED:
+        if (profile.attention, profile.gemm) != (AttentionKernel.VLLM_CPU, GemmKernel.VLLM_CPU):
+            raise UserError(
+                f"forward='vllm-cpu-compiled' is vLLM's compiled forward, with vLLM's attention and GEMM inside it; "
+                f"profile {profile.name!r} names attention={profile.attention!s}, gemm={profile.gemm!s}. Use "
+                "attention='vllm-cpu' and gemm='vllm-cpu' (the vllm-0.32-cpu-kernels profile)"
+            )
+        from roundalign.kernels import graph
+
+        graph.check(model)
     if profile.attention is AttentionKernel.VLLM_CPU or profile.gemm is GemmKernel.VLLM_CPU:
         from roundalign.kernels import vllm_cpu
 

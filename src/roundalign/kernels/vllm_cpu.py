@@ -133,9 +133,30 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None):
 
     vLLM prepares a weight once at load (packs it, or builds a oneDNN handle); the caller keeps the function for as
     long as the weight does not change."""
+    layer = _dispatched(weight, bias)
+    return lambda x: layer.cpu_linear(x, layer.weight, layer.bias)
+
+
+def _dispatched(weight: torch.Tensor, bias: torch.Tensor | None) -> _Layer:
     load()
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     layer = _Layer(weight.detach().contiguous(), None if bias is None else bias.detach().clone())
     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    return lambda x: layer.cpu_linear(x, layer.weight, layer.bias)
+    return layer
+
+
+# What each of vLLM 0.32's dispatch choices calls (the name its ``cpu_linear`` reaches for), and how to say it.
+_GEMM_KINDS = (
+    ("onednn_mm", "oneDNN (onednn_mm)"),
+    ("weight_packed_linear_cpu", "its AMX weight-packed GEMM (weight_packed_linear)"),
+    ("zentorch_linear_unary", "zentorch"),
+)
+
+
+def gemm_kind(shape: tuple[int, int]) -> str:
+    """Which GEMM vLLM's dispatch picks on this CPU for a bf16 weight of ``shape``: ``"torch"`` (its fallback,
+    ``torch.nn.functional.linear``) or a description of the other kernel."""
+    fn = _dispatched(torch.zeros(shape, dtype=torch.bfloat16), None).cpu_linear
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    return next((kind for marker, kind in _GEMM_KINDS if marker in names), "torch")

@@ -16,7 +16,7 @@ from roundalign import kernels
 from roundalign.errors import UserError
 from roundalign.patch._common import AlignedDecoderLayer
 from roundalign.patch.registry import FAMILIES, Family
-from roundalign.profiles import GemmKernel, Profile, QKNormRule, RopeAngles, get_profile
+from roundalign.profiles import ForwardKernel, GemmKernel, Profile, QKNormRule, RopeAngles, get_profile
 from roundalign.rotary import engine_inv_freq
 from roundalign.support import TRAINER_FAMILIES, check_trainer_model, head_dim
 
@@ -99,6 +99,10 @@ def apply(
     if not prof.is_stock_hf:  # by the rules, not the name: a profile with stock HF's rules changes nothing
         _patch_modules(model, family, prof, config)
         _set_compile_ops(model, compile_ops)
+    if prof.forward is ForwardKernel.VLLM_CPU_COMPILED:
+        from roundalign.kernels import graph
+
+        graph.install(model)
     model._roundalign_profile = prof
     return model
 
@@ -232,6 +236,8 @@ def revert(model):
         hook = vars(module).get("_roundalign_positions_hook")
         if hook is not None:
             hook.remove()
+        if "_roundalign_graph" in vars(module):  # the compiled engine forward: the class's forward again
+            del module.forward
         for key in [k for k in vars(module) if k.startswith("_roundalign_")]:
             delattr(module, key)
     return model

@@ -1,0 +1,279 @@
+"""vLLM's compiled CPU forward in the trainer (``Profile.forward = "vllm-cpu-compiled"``).
+
+In its default mode vLLM 0.32's CPU build compiles the model's whole forward with stock Inductor
+(``CompilationMode.DYNAMO_TRACE_ONCE``, backend ``"inductor"``: no vLLM passes, no piecewise split), with the
+Inductor options its CPU platform sets (vllm/platforms/cpu.py), the token dimension dynamic, custom ops off: vLLM's
+``forward_native`` RMSNorm, RoPE and SiluAndMul are traced into Inductor's fused C++ kernels, attention stays an
+opaque op, and on a CPU without AMX or a oneDNN bf16 matmul its GEMMs are torch's (``extern mm``).
+
+What those fused kernels compute is not a rounding location. They drop the bf16 casts between fused ops (the
+``vllm-0.32-cpu`` rules say where), and they also sum each RMSNorm's squares in Inductor's own order: in vector
+lanes, 16 or 8 of them depending on whether that kernel also stores the fp32 residual, which Inductor's
+store-or-recompute heuristic decides per layer. A rounding rule cannot say that, and with vLLM's attention and GEMM
+alone the trainer matched the compiled engine on 75.7% of the shipped model's tokens and 0.4% of a wider Qwen3's.
+
+So this module runs vLLM's own forward code, in vLLM's layer structure (Qwen3 here: ``Qwen2Model.forward`` with
+``Qwen3DecoderLayer``), on the trainer model's weights, through the same compiler with the same options: Inductor
+then generates the kernels the engine runs, on whatever CPU this is. The element-wise code is imported from vLLM
+(``vllm.ir`` native ``rms_norm`` / ``fused_add_rms_norm``, ``RotaryEmbedding.forward_static`` on the cache
+``get_rope`` builds, ``SiluAndMul.forward_native``); attention is vLLM's CPU attention (``vllm_cpu.attention``) as an
+opaque ``torch.library`` op over the packed sequences; the lm_head stays outside the graph, as vLLM's
+``compute_logits`` does.
+
+**Backward.** A training-mode compile is not the inference graph (AOTAutograd's saved activations change which
+buffers Inductor stores, and with them the lane widths), so the forward runs the compiled inference graph, and the
+backward recomputes the model's own patched forward (the same rules and vLLM's kernels, eagerly, under the same
+autocast) and takes its gradient at the same inputs: a standard gradient, as for the kernels, at the cost of one
+more forward per step (what gradient checkpointing costs).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from roundalign.errors import UserError
+from roundalign.kernels import batch as _batch
+from roundalign.kernels import vllm_cpu
+from roundalign.mixed_precision import engine_weight
+
+# vllm/platforms/cpu.py (0.32), CpuPlatform.check_and_update_config: compilation_config.inductor_compile_config.
+INDUCTOR_OPTIONS = {
+    "dce": True,
+    "size_asserts": False,
+    "nan_asserts": False,
+    "epilogue_fusion": True,
+    "cpp.dynamic_threads": True,
+}
+FAMILIES = ("qwen3",)
+
+
+@torch.library.custom_op("roundalign::vllm_cpu_attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM's CPU attention over packed sequences, opaque to the compiler as vLLM's attention op is to its graph."""
+    return vllm_cpu.attention(q, k, v, lengths.tolist(), scale)
+
+
+@_attention.register_fake
+def _(q, k, v, lengths, scale):
+    return torch.empty_like(q)
+
+
+@functools.cache
+def _vllm_code():
+    """vLLM's own element-wise code, as its compiled CPU mode traces it (custom ops off)."""
+    vllm_cpu.load()
+    from vllm import ir
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return types.SimpleNamespace(
+        rms_norm=ir.ops.rms_norm.impls["native"].impl_fn,
+        fused_add_rms_norm=ir.ops.fused_add_rms_norm.impls["native"].impl_fn,
+        rope=RotaryEmbedding.forward_static,
+        silu_and_mul=SiluAndMul.forward_native,
+    )
+
+
+def _cos_sin_cache(config, head_dim: int) -> torch.Tensor:
+    """vLLM's bf16 ``cos_sin_cache`` for this config, built by its own ``get_rope``."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 1000000.0))
+    params.setdefault("rope_type", "default")
+    with set_current_vllm_config(VllmConfig()):  # vLLM's modules are built under a config; its defaults do here
+        rope = get_rope(
+            head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=params,
+            dtype=torch.bfloat16,
+        )
+    return rope.cos_sin_cache.to(torch.bfloat16)
+
+
+def _forward(shape, code, ids, positions, lengths, cache, embed, layers, norm):
+    """vLLM 0.32's ``Qwen2Model.forward`` with ``Qwen3DecoderLayer``s, on packed tokens; returns the final hidden."""
+    eps, heads, kv_heads, head_dim = shape
+    hidden = F.embedding(ids, embed)
+    residual = None
+    for in_ln, post_ln, q_norm, k_norm, qkv_w, qkv_b, o_w, gate_up, down in layers:
+        if residual is None:
+            residual = hidden
+            hidden = code.rms_norm(hidden, in_ln, eps, None)
+        else:
+            hidden, residual = code.fused_add_rms_norm(hidden, residual, in_ln, eps, None)
+        qkv = F.linear(hidden, qkv_w, qkv_b)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q_by_head = code.rms_norm(q.view(*q.shape[:-1], heads, head_dim), q_norm, eps, None)
+        q = q_by_head.view(q.shape)
+        k_by_head = code.rms_norm(k.view(*k.shape[:-1], kv_heads, head_dim), k_norm, eps, None)
+        k = k_by_head.view(k.shape)
+        q, k = code.rope(positions, q, k, head_dim, head_dim, cache, True)
+        attn = _attention(
+            q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim), lengths,
+            head_dim**-0.5,
+        )  # fmt: skip
+        hidden = F.linear(attn.view(-1, heads * head_dim), o_w)
+        hidden, residual = code.fused_add_rms_norm(hidden, residual, post_ln, eps, None)
+        hidden = F.linear(code.silu_and_mul(F.linear(hidden, gate_up)), down)
+    hidden, _ = code.fused_add_rms_norm(hidden, residual, norm, eps, None)
+    return hidden
+
+
+class EngineGraph:
+    """The compiled forward of one model, and the engine-shaped weights it reads (refreshed when a weight changes)."""
+
+    def __init__(self, model):
+        config = model.config
+        self.base = model.model
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.shape = (float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads, self.head_dim)
+        self.cache = _cos_sin_cache(config, self.head_dim)
+        self._stamp, self._weights = None, None
+        self.compiled = torch.compile(
+            functools.partial(_forward, self.shape, _vllm_code()), backend="inductor", options=dict(INDUCTOR_OPTIONS)
+        )
+
+    def weights(self):
+        """vLLM's weights: 16-bit, q/k/v and gate/up concatenated; made again only after a weight changed."""
+        params = list(self.base.parameters())
+        stamp = tuple((p.data_ptr(), p._version) for p in params)
+        if stamp != self._stamp:
+            with torch.no_grad():
+                low = torch.bfloat16
+                layers = []
+                for layer in self.base.layers:
+                    a, m = layer.self_attn, layer.mlp
+                    qkv_b = None
+                    if a.q_proj.bias is not None:
+                        qkv_b = torch.cat([engine_weight(x.bias, low) for x in (a.q_proj, a.k_proj, a.v_proj)])
+                    layers.append((
+                        engine_weight(layer.input_layernorm.weight, low),
+                        engine_weight(layer.post_attention_layernorm.weight, low),
+                        engine_weight(a.q_norm.weight, low),
+                        engine_weight(a.k_norm.weight, low),
+                        torch.cat([engine_weight(x.weight, low) for x in (a.q_proj, a.k_proj, a.v_proj)]),
+                        qkv_b,
+                        engine_weight(a.o_proj.weight, low).contiguous(),
+                        torch.cat([engine_weight(x.weight, low) for x in (m.gate_proj, m.up_proj)]),
+                        engine_weight(m.down_proj.weight, low).contiguous(),
+                    ))  # fmt: skip
+                embed = engine_weight(self.base.embed_tokens.weight, low).contiguous()
+                self._weights = (embed, layers, engine_weight(self.base.norm.weight, low).contiguous())
+            self._stamp = stamp
+        return self._weights
+
+    def __call__(self, ids: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+        """The final hidden states (tokens, hidden) of sequences packed back to back, each from position 0."""
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        for t in (ids, positions, lens):
+            torch._dynamo.mark_dynamic(t, 0)  # one graph for every token count, as vLLM compiles it
+        embed, layers, norm = self.weights()
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            return self.compiled(ids, positions, lens, self.cache, embed, layers, norm)
+
+
+class _CompiledForward(torch.autograd.Function):
+    """Forward: ``run()`` (the compiled inference graph). Backward: the gradient of ``standard()`` (the model's own
+    patched forward) at the same inputs, recomputed under the forward's autocast, w.r.t. ``params``."""
+
+    @staticmethod
+    def forward(ctx, run, standard, *params):
+        ctx.standard = standard
+        ctx.autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        ctx.save_for_backward(*params)
+        return run()
+
+    @staticmethod
+    def backward(ctx, grad):
+        params = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled):
+            out = ctx.standard()
+        grads = torch.autograd.grad(out, params, grad, allow_unused=True)
+        return (None, None, *grads)
+
+
+def check(model) -> None:
+    """Refuse, at ``apply``, what this forward does not reproduce, naming the fix."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        raise UserError(
+            f"forward='vllm-cpu-compiled' runs vLLM's compiled forward for {', '.join(FAMILIES)} models; this is a "
+            f"{config.model_type} model. Use the eager-mode profile (vLLM with enforce_eager) or forward='hf'"
+        )
+    if getattr(config, "use_sliding_window", False):
+        raise UserError("forward='vllm-cpu-compiled' covers full attention; this config uses a sliding window")
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    shapes = {
+        "qkv": ((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, hidden),
+        "o_proj": (hidden, config.num_attention_heads * head_dim),
+        "gate_up": (2 * config.intermediate_size, hidden),
+        "down_proj": (hidden, config.intermediate_size),
+    }
+    for name, shape in shapes.items():
+        kind = vllm_cpu.gemm_kind(shape)
+        if kind != "torch":
+            raise UserError(
+                f"vLLM's CPU build computes the {name} GEMM with {kind} on this CPU, inside its compiled graph; "
+                "forward='vllm-cpu-compiled' reproduces the graph where vLLM's GEMM is torch's (CPUs without AMX or a "
+                "oneDNN bf16 matmul, e.g. AVX2). Here, use the eager mode (enforce_eager, the '-eager-...-kernels' "
+                "profile), which is exact on every CPU"
+            )
+
+
+def install(model) -> None:
+    """Replace the backbone's forward (``model.model.forward``) by the compiled one; ``uninstall`` undoes it."""
+    base = model.model
+    base._roundalign_graph = EngineGraph(model)
+    base.forward = types.MethodType(_graph_forward, base)
+
+
+def uninstall(model) -> None:
+    base = getattr(model, "model", None)
+    if base is not None and "_roundalign_graph" in vars(base):
+        del base._roundalign_graph
+        del base.forward  # the class's forward again
+
+
+def _graph_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                   inputs_embeds=None, use_cache=None, **kwargs):  # fmt: skip
+    """``Qwen3Model.forward`` for whole sequences: the compiled engine graph (module docstring)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if input_ids is None or inputs_embeds is not None:
+        raise UserError("forward='vllm-cpu-compiled' computes from input_ids (the engine's input); got inputs_embeds")
+    if past_key_values is not None and past_key_values.get_seq_length() > 0:
+        raise UserError(
+            "forward='vllm-cpu-compiled' computes whole sequences (training and scoring), not steps over HF's KV "
+            "cache: generate with the engine, or with a profile without engine kernels"
+        )
+    if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+        raise UserError(
+            "forward='vllm-cpu-compiled' runs the model as one compiled graph, which has no per-layer outputs; use "
+            "forward='hf' (the same profile with +forward=hf) for per-layer hidden states"
+        )
+    b, n = input_ids.shape
+    seqs = _batch.sequences(attention_mask, position_ids, b, n)
+
+    def run():
+        return seqs.unpack(self._roundalign_graph(seqs.pack(input_ids), seqs.lengths), b)
+
+    params = [p for p in self.parameters() if p.requires_grad]
+    if not (torch.is_grad_enabled() and params):
+        return BaseModelOutputWithPast(last_hidden_state=run())
+
+    def standard():
+        out = type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False, **kwargs)  # fmt: skip
+        return out.last_hidden_state
+
+    return BaseModelOutputWithPast(last_hidden_state=_CompiledForward.apply(run, standard, *params))
