@@ -9,6 +9,8 @@ from the sampler's. A profile therefore also names the kernels (``Profile.attent
   (the reference engine's decode attention, row by row). The engine kernels compute each sequence of the batch
   alone, unpadded and from position 0, as the engine computed it (``batch.sequences`` finds them in a padded or
   packed batch from the attention mask and ``position_ids``).
+- ``forward``: ``hf`` (the model's forward, patched region by region) or ``vllm-cpu-compiled`` (vLLM's own forward
+  code compiled by Inductor as vLLM's CPU build compiles it: ``graph``), which vLLM's default compiled mode needs.
 - ``gemm``: ``torch`` (each ``nn.Linear`` as it is), ``vllm-cpu`` (vLLM's CPU GEMM dispatch on the weights vLLM
   fuses: q/k/v and gate/up as one GEMM each, the lm_head padded to 64 rows) or ``reference`` (one GEMM call per
   row, as the reference engine's decode).

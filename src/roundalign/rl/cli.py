@@ -239,9 +239,17 @@ def _report(out: Path, config: TrainConfig, console) -> None:
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0][-10:]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    # The run's own config.json: the trainer profile as the run resolved it (--engine vllm picks the build's).
+    saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    resolved = config.replace(trainer_profile=saved["trainer_profile"]) if "trainer_profile" in saved else config
+    trainer = resolved.resolved_trainer_profile
+    if config.engine == "vllm":
+        engine = f"engine vLLM ({'enforce_eager' if config.enforce_eager else 'compiled'} mode)"
+    else:
+        engine = f"engine profile {config.engine_profile} ({config.engine_backend} backend)"
     lines = [
-        f"run {out}: {rows[-1]['step']} steps; trainer profile {config.resolved_trainer_profile}, engine profile "
-        f"{config.engine_profile} ({config.engine_backend} backend), {config.dtype}, --sync {config.sync}"
+        f"run {out}: {rows[-1]['step']} steps; trainer profile {trainer}, {engine}, {config.dtype}, "
+        f"--sync {config.sync}"
         f"{', loss on served weights' if config.resolved_loss_on_served else ''}, --rollout-is {config.rollout_is}",
         f"last {len(steps)} steps on average:",
     ]
