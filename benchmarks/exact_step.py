@@ -16,7 +16,7 @@ ratios to stock in the same run, then one more step per variant measures the pea
 (``torch.profiler``, as benchmarks/model_step.py measures it).
 
     .venv-vllm/bin/python benchmarks/exact_step.py --quick                     # a smoke run
-    .venv-vllm/bin/python benchmarks/exact_step.py --json exact.json           # the suite (~10 min on 2 cores)
+    .venv-vllm/bin/python benchmarks/exact_step.py --json exact.json           # the suite (~20 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from roundalign.rl.vllm import trainer_profile
 VARIANTS = ("stock", "rounding", "exact")
 PASSES = ("train step", "recompute")
 # (model, batch, longest sequence, rounds)
-# Sized for about 10 minutes on a 2-core AVX2 CPU, where a bf16 training step is slow (8 x 128 tokens of the tiny
+# Sized for about 20 minutes on a 2-core AVX2 CPU, where a bf16 training step is slow (8 x 128 tokens of the tiny
 # model: ~7 s; one of benchmarks/model_step.py's 0.6B shape did not finish 12 steps in 25 minutes). The second
 # case has Qwen3-0.6B's layers (head_dim 128, 16 q / 8 kv heads) and a 16k vocabulary. Pass --model qwen3-0.6b-2l
 # (the real 151,936-token vocabulary) on a machine with native bf16 GEMMs (AVX512-BF16, AMX).

@@ -56,3 +56,15 @@ def engine_python() -> str:
             f"or point ${ENGINE_PYTHON_ENV} at the Python that runs vLLM"
         )
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def compiled_forward_applies(engine_python) -> bool:
+    """Whether vLLM's compiled forward can run in the trainer on this CPU (``roundalign.kernels.graph``): where vLLM's
+    CPU GEMM is torch's (AVX2). Elsewhere (Intel AMX, oneDNN bf16) ``apply`` must refuse it, naming the GEMM."""
+    import subprocess
+
+    code = "from roundalign.rl.vllm import _torch_gemm; print(_torch_gemm())"
+    proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1] == "True"
