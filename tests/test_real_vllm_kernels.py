@@ -30,23 +30,28 @@ KERNELS = f"{ROUNDING}-kernels"
 TRAINER = Path(__file__).with_name("kernels_trainer.py")
 
 
+def dump_and_score(engine_python, model, tmp, profile: str, *, enforce_eager: bool, samples: int, tokens: int):
+    """vLLM samples ``samples`` completions of ``tokens`` from ``model`` (``roundalign dump``), then the trainer side
+    (tests/kernels_trainer.py, in the engine's Python) scores them with ``profile``: (dump dir, the finished
+    trainer process; its results in ``tmp / "trainer.pt"``)."""
+    cfg = DumpConfig(
+        engine="vllm", model=str(model), out=str(tmp / "dump"), enforce_eager=enforce_eager, num_samples=samples,
+        max_tokens=tokens, ignore_eos=True,
+    ).validate()  # fmt: skip
+    run_dump(cfg, engine_python)
+    cmd = [engine_python, str(TRAINER), str(model), cfg.out, profile, str(tmp / "trainer.pt")]
+    return cfg.out, subprocess.run(cmd, capture_output=True, text=True)
+
+
 @pytest.fixture(scope="module", params=["shipped", "llama"])
 def exact(request, engine_python, tmp_path_factory):
     """(model dir, the engine's dump, the trainer's results) per model."""
     tmp = tmp_path_factory.mktemp(f"exact-{request.param}")
     model = models.path() if request.param == "shipped" else build_llama(tmp / "model")
-    cfg = DumpConfig(
-        engine="vllm", model=str(model), out=str(tmp / "dump"), enforce_eager=True, num_samples=8, max_tokens=40,
-        ignore_eos=True,
-    ).validate()  # fmt: skip
-    run_dump(cfg, engine_python)
-    out = tmp / "trainer.pt"
-    proc = subprocess.run(
-        [engine_python, str(TRAINER), str(model), cfg.out, KERNELS, str(out)], capture_output=True, text=True
-    )
+    dump_dir, proc = dump_and_score(engine_python, model, tmp, KERNELS, enforce_eager=True, samples=8, tokens=40)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dump = read_dump(cfg.out, vocab_size=264, max_model_len=512 if request.param == "llama" else 256)
-    return model, dump, torch.load(out)
+    dump = read_dump(dump_dir, vocab_size=264, max_model_len=512 if request.param == "llama" else 256)
+    return model, dump, torch.load(tmp / "trainer.pt")
 
 
 @pytest.mark.parametrize("layout", ["unpadded", "left", "right"])
@@ -105,22 +110,14 @@ def compiled(engine_python, compiled_forward_applies, tmp_path_factory):
     message)."""
     tmp = tmp_path_factory.mktemp("compiled-wide")
     model = build_qwen3(tmp / "model")
-    cfg = DumpConfig(
-        engine="vllm", model=str(model), out=str(tmp / "dump"), enforce_eager=False, num_samples=6, max_tokens=32,
-        ignore_eos=True,
-    ).validate()  # fmt: skip
-    run_dump(cfg, engine_python)
-    out = tmp / "trainer.pt"
-    proc = subprocess.run(
-        [engine_python, str(TRAINER), str(model), cfg.out, COMPILED, str(out)], capture_output=True, text=True
-    )
+    dump_dir, proc = dump_and_score(engine_python, model, tmp, COMPILED, enforce_eager=False, samples=6, tokens=32)
     if compiled_forward_applies:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        trainer = torch.load(out)
+        trainer = torch.load(tmp / "trainer.pt")
     else:
         assert proc.returncode != 0 and REFUSED in proc.stderr, proc.stderr[-3000:]
         trainer = None
-    return model, read_dump(cfg.out, vocab_size=264, max_model_len=512), trainer, proc.stderr
+    return model, read_dump(dump_dir, vocab_size=264, max_model_len=512), trainer, proc.stderr
 
 
 def test_compiled_forward_is_the_compiled_samplers_bit_for_bit(compiled):

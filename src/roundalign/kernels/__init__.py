@@ -204,12 +204,16 @@ class _EngineLinear(torch.autograd.Function):
         return (gx, None, None, *(gw or [None] * len(weights)), *(gb or []))
 
 
-def _gemm_for(module, key: str, weights, biases):
-    """vLLM's prepared GEMM for these weights, kept on ``module`` until one of them changes (an optimizer step,
-    a weight sync), as vLLM prepares its weights once per load."""
+def _gemm_for(module, key: str, sources, weights, biases):
+    """vLLM's prepared GEMM for these weights, kept on ``module`` until one of the parameters they come from
+    (``sources``) changes (an optimizer step, a weight sync), as vLLM prepares its weights once per load.
+
+    The stamp is taken from the parameters, not from ``weights``: under autocast those are fresh 16-bit casts made
+    every forward, and a new cast can land at the address of the last one with the same version counter, which
+    would hand back the GEMM prepared for the old weights."""
     from roundalign.kernels import vllm_cpu
 
-    stamp = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (*weights, *biases))
+    stamp = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources)
     cache = module.__dict__.setdefault("_roundalign_gemm_cache", {})
     hit = cache.get(key)
     if hit is None or hit[0] != stamp:
@@ -251,7 +255,8 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
         if biases:
             biases.append(biases[0].new_zeros(pad))
-    run = _gemm_for(module, ",".join(names), weights, biases)
+    sources = [t for m in mods for t in (m.weight, m.bias) if t is not None]
+    run = _gemm_for(module, ",".join(names), sources, weights, biases)
     out = _EngineLinear.apply(x.to(low), run, len(weights), *weights, *biases)
     return list(out.split([w.shape[0] for w in weights], dim=-1)[: len(mods)])
 
