@@ -217,3 +217,29 @@ def test_compiled_forward_needs_vllms_kernels_and_vllm():
         roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels")
     assert roundalign.patched_profile(model) is None
     assert not hasattr(model.model, "_roundalign_graph") and "forward" not in vars(model.model)
+
+
+def test_engine_gemm_follows_a_fused_optimizer_step(monkeypatch):
+    """vLLM prepares a GEMM's weights once per load, and roundalign.kernels keeps the prepared GEMM while the weights
+    hold the same values. A fused AdamW (HF Trainer's default adamw_torch_fused) updates them in place without
+    bumping their version counter, so the check must be on the values: the next forward computes with the new
+    weights."""
+    import torch.nn.functional as F
+
+    from roundalign.kernels import vllm_cpu
+    from roundalign.profiles import GemmKernel
+
+    # vLLM's dispatch stand-in (no vLLM here): a GEMM of the weights as they were when it was prepared.
+    monkeypatch.setattr(vllm_cpu, "linear", lambda w, b: lambda x, w=w.clone(): F.linear(x, w))
+    module = torch.nn.Module()
+    module.proj = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, fused=True)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    for _ in range(3):
+        version = module.proj.weight._version
+        (got,) = kernels.project(module, ("proj",), x, GemmKernel.VLLM_CPU)
+        assert torch.equal(got, F.linear(x, module.proj.weight))
+        got.float().square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert module.proj.weight._version == version  # what makes a version-based cache go stale

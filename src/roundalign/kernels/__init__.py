@@ -204,24 +204,25 @@ class _EngineLinear(torch.autograd.Function):
         return (gx, None, None, *(gw or [None] * len(weights)), *(gb or []))
 
 
-def _gemm_for(module, key: str, sources, weights, biases):
-    """vLLM's prepared GEMM for these weights, kept on ``module`` until one of the parameters they come from
-    (``sources``) changes (an optimizer step, a weight sync), as vLLM prepares its weights once per load.
+def _gemm_for(module, key: str, weights, biases):
+    """vLLM's prepared GEMM for these weights, kept on ``module`` for as long as they hold the same values, as vLLM
+    prepares its weights once per load.
 
-    The stamp is taken from the parameters, not from ``weights``: under autocast those are fresh 16-bit casts made
-    every forward, and a new cast can land at the address of the last one with the same version counter, which
-    would hand back the GEMM prepared for the old weights."""
+    The check is on the values (the fused weights are compared with the ones it was prepared for: one pass over
+    them, against the GEMM's many), not on the parameters' version counters or addresses: a fused optimizer
+    (``AdamW(fused=True)``, HF Trainer's default ``adamw_torch_fused``) updates parameters in place without bumping
+    their version, and under autocast the 16-bit weights are fresh casts every forward."""
     from roundalign.kernels import vllm_cpu
 
-    stamp = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in sources)
+    with torch.no_grad():
+        fused = torch.cat([w.detach() for w in weights])
+        bias = torch.cat([b.detach() for b in biases]) if biases else None
     cache = module.__dict__.setdefault("_roundalign_gemm_cache", {})
     hit = cache.get(key)
-    if hit is None or hit[0] != stamp:
-        with torch.no_grad():
-            fused = torch.cat([w.detach() for w in weights])
-            bias = torch.cat([b.detach() for b in biases]) if biases else None
-        hit = cache[key] = (stamp, vllm_cpu.linear(fused, bias))
-    return hit[1]
+    same = hit is not None and hit[0].shape == fused.shape and torch.equal(hit[0], fused)
+    if not (same and (bias is None or torch.equal(hit[1], bias))):
+        hit = cache[key] = (fused, bias, vllm_cpu.linear(fused, bias))
+    return hit[2]
 
 
 def _plain_linears(module, names) -> list:
@@ -255,8 +256,7 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
         if biases:
             biases.append(biases[0].new_zeros(pad))
-    sources = [t for m in mods for t in (m.weight, m.bias) if t is not None]
-    run = _gemm_for(module, ",".join(names), sources, weights, biases)
+    run = _gemm_for(module, ",".join(names), weights, biases)
     out = _EngineLinear.apply(x.to(low), run, len(weights), *weights, *biases)
     return list(out.split([w.shape[0] for w in weights], dim=-1)[: len(mods)])
 

@@ -127,7 +127,7 @@ def _forward(shape, code, ids, positions, lengths, cache, embed, layers, norm):
 
 
 class EngineGraph:
-    """The compiled forward of one model, and the engine-shaped weights it reads (refreshed when a weight changes)."""
+    """The compiled forward of one model, and the engine-shaped weights it reads (made anew every forward)."""
 
     def __init__(self, model):
         config = model.config
@@ -135,39 +135,34 @@ class EngineGraph:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.shape = (float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads, self.head_dim)
         self.cache = _cos_sin_cache(config, self.head_dim)
-        self._stamp, self._weights = None, None
         self.compiled = torch.compile(
             functools.partial(_forward, self.shape, _vllm_code()), backend="inductor", options=dict(INDUCTOR_OPTIONS)
         )
 
     def weights(self):
-        """vLLM's weights: 16-bit, q/k/v and gate/up concatenated; made again only after a weight changed."""
-        params = list(self.base.parameters())
-        stamp = tuple((p.data_ptr(), p._version) for p in params)
-        if stamp != self._stamp:
-            with torch.no_grad():
-                low = torch.bfloat16
-                layers = []
-                for layer in self.base.layers:
-                    a, m = layer.self_attn, layer.mlp
-                    qkv_b = None
-                    if a.q_proj.bias is not None:
-                        qkv_b = torch.cat([engine_weight(x.bias, low) for x in (a.q_proj, a.k_proj, a.v_proj)])
-                    layers.append((
-                        engine_weight(layer.input_layernorm.weight, low),
-                        engine_weight(layer.post_attention_layernorm.weight, low),
-                        engine_weight(a.q_norm.weight, low),
-                        engine_weight(a.k_norm.weight, low),
-                        torch.cat([engine_weight(x.weight, low) for x in (a.q_proj, a.k_proj, a.v_proj)]),
-                        qkv_b,
-                        engine_weight(a.o_proj.weight, low).contiguous(),
-                        torch.cat([engine_weight(x.weight, low) for x in (m.gate_proj, m.up_proj)]),
-                        engine_weight(m.down_proj.weight, low).contiguous(),
-                    ))  # fmt: skip
-                embed = engine_weight(self.base.embed_tokens.weight, low).contiguous()
-                self._weights = (embed, layers, engine_weight(self.base.norm.weight, low).contiguous())
-            self._stamp = stamp
-        return self._weights
+        """vLLM's weights: 16-bit, q/k/v and gate/up concatenated. Made every forward (a copy, small against the
+        forward): a fused optimizer updates parameters in place without bumping their version, so no cheaper check
+        would notice a step."""
+        low, layers = torch.bfloat16, []
+        with torch.no_grad():
+            for layer in self.base.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv_b = None
+                if a.q_proj.bias is not None:
+                    qkv_b = torch.cat([engine_weight(x.bias, low) for x in (a.q_proj, a.k_proj, a.v_proj)])
+                layers.append((
+                    engine_weight(layer.input_layernorm.weight, low),
+                    engine_weight(layer.post_attention_layernorm.weight, low),
+                    engine_weight(a.q_norm.weight, low),
+                    engine_weight(a.k_norm.weight, low),
+                    torch.cat([engine_weight(x.weight, low) for x in (a.q_proj, a.k_proj, a.v_proj)]),
+                    qkv_b,
+                    engine_weight(a.o_proj.weight, low).contiguous(),
+                    torch.cat([engine_weight(x.weight, low) for x in (m.gate_proj, m.up_proj)]),
+                    engine_weight(m.down_proj.weight, low).contiguous(),
+                ))  # fmt: skip
+            embed = engine_weight(self.base.embed_tokens.weight, low).contiguous()
+            return embed, layers, engine_weight(self.base.norm.weight, low).contiguous()
 
     def __call__(self, ids: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         """The final hidden states (tokens, hidden) of sequences packed back to back, each from position 0."""
