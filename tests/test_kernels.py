@@ -230,7 +230,11 @@ def test_engine_gemm_follows_a_fused_optimizer_step(monkeypatch):
     from roundalign.profiles import GemmKernel
 
     # vLLM's dispatch stand-in (no vLLM here): a GEMM of the weights as they were when it was prepared.
-    monkeypatch.setattr(vllm_cpu, "linear", lambda w, b: lambda x, w=w.clone(): F.linear(x, w))
+    def prepared(weight, bias):
+        snapshot = weight.clone()
+        return lambda x: F.linear(x, snapshot)
+
+    monkeypatch.setattr(vllm_cpu, "linear", prepared)
     module = torch.nn.Module()
     module.proj = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, fused=True)
