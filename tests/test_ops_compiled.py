@@ -123,10 +123,13 @@ def test_swiglu_on_every_bf16_gate(rule):
     assert_same(lambda g, u, compiled: ops.swiglu(g, u, rule, compiled=compiled), (gate, up), rule)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("rule", [r.value for r in SwiGLURule])
-def test_swiglu_odd_shape(rule):
-    gate, up = _values((3, 7, 3000 + 13), 11), _values((3, 7, 3000 + 13), 12)
-    assert_same(lambda g, u, compiled: ops.swiglu(g, u, rule, compiled=compiled), (gate, up), rule)
+def test_swiglu_odd_shape(rule, dtype):
+    # fp16 has three more mantissa bits than bf16: it showed Inductor's decomposition of SiLU's backward moving one
+    # gradient in 6,000 by one unit in the last place, until that backward became an opaque ATen call.
+    gate, up = _values((3, 7, 3000 + 13), 11).to(dtype), _values((3, 7, 3000 + 13), 12).to(dtype)
+    assert_same(lambda g, u, compiled: ops.swiglu(g, u, rule, compiled=compiled), (gate, up), f"{rule} {dtype}")
 
 
 @pytest.mark.parametrize(
@@ -138,7 +141,7 @@ def test_apply_compile_ops_gives_the_same_model_bitwise(family, profile):
     from models import build, loss_and_grads, token_ids
 
     ids = token_ids(length=17)
-    eager = roundalign.apply(build(family), profile)
+    eager = roundalign.apply(build(family), profile, compile_ops=False)
     fused = roundalign.apply(build(family), profile, compile_ops=True)
     assert all(m._roundalign_compile_ops for m in fused.modules() if hasattr(type(m), "_roundalign_compile_ops"))
     logits_e, grads_e = loss_and_grads(eager, ids)

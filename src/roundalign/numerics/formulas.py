@@ -1,10 +1,14 @@
-"""The element-wise formulas of every rounding rule, as plain torch code: each ``.to(out_dtype)`` is a rounding
-point ``r(.)``, each ``truncate(., out_dtype)`` a truncating one ``t(.)``, everything between two of them is fp32
-(float64 under gradcheck).
+"""The element-wise formulas of every rounding rule, as plain torch code: each ``num.to(., out_dtype)`` is a
+rounding point ``r(.)``, each ``truncate(., out_dtype)`` a truncating one ``t(.)``, each ``num.ew(op, ...)`` on 16-bit
+operands one 16-bit op (fp32 arithmetic, one rounding); everything else is fp32 (float64 under gradcheck).
 
 One definition serves two users that must agree bit for bit: the trainer's aligned ops (``roundalign.ops``, which
 wrap these in custom ops with a backward) and the reference engine's ``kernels`` backend (``roundalign.engine``).
 The rules and their formulas are documented in ``roundalign.ops`` and docs/engine-rounding.md.
+
+Every cast and every 16-bit element-wise op goes through ``num``, the rounding primitives: ``EAGER`` (the default)
+is plain torch, exactly the expression written beside it; ``roundalign.ops._traced.TRACED`` is the same
+arithmetic in a form that Inductor keeps inside a compiled model. So the formulas are written once for both.
 """
 
 from __future__ import annotations
@@ -16,34 +20,60 @@ from roundalign.numerics.dtypes import compute_dtype
 from roundalign.profiles import QKNormRule, RMSNormRule, RopeRounding, SwiGLURule
 
 
+class Eager:
+    """The rounding primitives as plain torch: ``to`` casts (``r(.)`` when it narrows to a 16-bit dtype), ``ew``
+    runs an element-wise op in its operands' dtype (a 16-bit op computes in fp32 and rounds, as eager does),
+    ``sum_to`` sums a broadcast gradient back to a shape, ``silu_backward`` is ATen's."""
+
+    @staticmethod
+    def to(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+        return t.to(dtype, copy=copy)
+
+    @staticmethod
+    def ew(fn, *tensors: torch.Tensor) -> torch.Tensor:
+        return fn(*tensors)
+
+    @staticmethod
+    def sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+        return t.sum_to_size(shape)
+
+    @staticmethod
+    def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.silu_backward(grad, x)
+
+
+EAGER = Eager()
+
+
 def rstd_aten(x32: torch.Tensor, eps: float) -> torch.Tensor:
     """nu(x) = rsqrt(mean(x^2) + eps) in fp32, with ATen's reduction order."""
     return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_norm(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None):
+def rms_norm(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None, *, num=EAGER):
     """RMSNorm by ``rule`` (an ``RMSNormRule`` or ``QKNormRule`` value); ``rstd(x32, eps)`` computes nu(x), ATen's
     order by default."""
     rstd = rstd or rstd_aten
     acc = compute_dtype(x)
-    x32 = x.to(acc)
+    x32 = num.to(x, acc)
     normed = x32 * rstd(x32, eps)  # x * nu(x), fp32
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:
-        return weight * normed.to(out_dtype)  # r(w * r(x * nu(x))): HF's expression, weight on the left
+        # r(w * r(x * nu(x))): HF's `weight * normed.to(out_dtype)`, weight on the left
+        return num.ew(torch.mul, weight, num.to(normed, out_dtype))
     if rule == RMSNormRule.ROUND_AFTER_WEIGHT:
-        return (normed * weight.to(acc)).to(out_dtype)  # r(x * nu(x) * w)
+        return num.to(normed * num.to(weight, acc), out_dtype)  # r(x * nu(x) * w)
     if rule == QKNormRule.FUSED_INTO_ROPE:
-        return normed * weight.to(acc)  # x * nu(x) * w, left unrounded for RoPE
+        return normed * num.to(weight, acc)  # x * nu(x) * w, left unrounded for RoPE
     raise ValueError(f"unknown rms_norm rule {rule!r}")
 
 
-def add_rounded(a: torch.Tensor, h: torch.Tensor):
-    return h + a  # R = r(h + a): one bf16 add, as HF's `residual + hidden_states`
+def add_rounded(a: torch.Tensor, h: torch.Tensor, *, num=EAGER):
+    return num.ew(torch.add, h, a)  # R = r(h + a): one bf16 add, as HF's `residual + hidden_states`
 
 
-def add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype):
-    s = h.to(compute_dtype(h)) + a.to(compute_dtype(a))  # S = h + a in fp32, not rounded
-    return s.to(out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
+def add_fp32_sum(a: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype, *, num=EAGER):
+    s = num.to(h, compute_dtype(h)) + num.to(a, compute_dtype(a))  # S = h + a in fp32, not rounded
+    return num.to(s, out_dtype, copy=True), s  # (R = r(S), S); a copy even when out_dtype is S's (float64 gradcheck)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +82,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def truncate(x: torch.Tensor, dtype: torch.dtype, *, num=EAGER) -> torch.Tensor:
     """``t(x)``: ``x`` converted to ``dtype`` rounding toward zero, as vLLM's CPU C++ kernels convert fp32 to bf16 on
     CPUs without AVX512-BF16 (they keep the top 16 bits of the fp32 pattern).
 
@@ -63,33 +93,35 @@ def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a dtype as wide as ``x``'s nothing rounds.
     """
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
-        return (x.view(torch.int32) & -65536).view(torch.float32).to(dtype)
-    y = x.to(dtype)
+        return num.to((x.view(torch.int32) & -65536).view(torch.float32), dtype)
+    y = num.to(x, dtype)
     if dtype.itemsize >= x.dtype.itemsize:
         return y
-    overshot = y.to(x.dtype).abs() > x.abs()
+    overshot = num.to(y, x.dtype).abs() > x.abs()
     return torch.where(overshot, (y.view(torch.int16) - 1).view(dtype), y)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype):
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype, *, num=EAGER):
     if rounding == RopeRounding.PER_OP:
         # HF's `(q * cos) + (rotate_half(q) * sin)`: each product rounds, then the sum does. With bf16 x and
         # cos the casts are no-ops and this is HF's expression exactly; with fp32 operands they round.
-        return (x * cos).to(out_dtype) + (rotate_half(x) * sin).to(out_dtype)
+        via_cos = num.to(num.ew(torch.mul, x, cos), out_dtype)
+        return num.ew(torch.add, via_cos, num.to(num.ew(torch.mul, rotate_half(x), sin), out_dtype))
     if rounding in (RopeRounding.ONCE, RopeRounding.TRUNCATE):
         acc = compute_dtype(x)
-        x32 = x.to(acc)
-        rotated = x32 * cos.to(acc) + rotate_half(x32) * sin.to(acc)  # x1*c - x2*s, fp32
+        x32 = num.to(x, acc)
+        rotated = x32 * num.to(cos, acc) + rotate_half(x32) * num.to(sin, acc)  # x1*c - x2*s, fp32
         if rounding == RopeRounding.ONCE:
-            return rotated.to(out_dtype)  # r(x1*c - x2*s)
-        return truncate(rotated, out_dtype)  # t(x1*c - x2*s)
+            return num.to(rotated, out_dtype)  # r(x1*c - x2*s)
+        return truncate(rotated, out_dtype, num=num)  # t(x1*c - x2*s)
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str):
+def swiglu(gate: torch.Tensor, up: torch.Tensor, rule: str, *, num=EAGER):
     if rule == SwiGLURule.ROUND_SILU:
-        return F.silu(gate) * up  # HF's `act_fn(gate) * up`: silu rounds to gate's dtype, then the product does
+        # HF's `act_fn(gate) * up`: silu rounds to gate's dtype, then the product does
+        return num.ew(torch.mul, num.ew(F.silu, gate), up)
     if rule == SwiGLURule.ONCE:
         acc = compute_dtype(gate)
-        return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)  # r(silu(g) * u)
+        return num.to(F.silu(num.to(gate, acc)) * num.to(up, acc), gate.dtype)  # r(silu(g) * u)
     raise ValueError(f"unknown swiglu rule {rule!r}")

@@ -25,36 +25,33 @@ from __future__ import annotations
 import torch
 
 from roundalign.numerics.dtypes import compute_dtype, default_out_dtype
+from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import add_fp32_sum as _add_fp32_sum
 from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
 from roundalign.numerics.formulas import rstd_aten as _rstd
 from roundalign.ops._custom import define
+from roundalign.ops._traced import TRACED, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
-# The same nu(x) as an op Inductor cannot see into, for the compiled variant: Inductor would sum the squares in its
-# own order, and a last-bit change of the variance moves a few outputs across a rounding tie.
-_rstd_op = torch.library.custom_op(
-    "roundalign::rms_rstd", _rstd, mutates_args=(), schema="(Tensor x32, float eps) -> Tensor"
-)
-_rstd_op.register_fake(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 
-
-def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to):
+def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to, num=EAGER):
     """Autograd's backward of the RMSNorm formula, written out op for op (PyTorch's derivatives.yaml): the same bits
     without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
-    ``sum_to(t, shape)`` are the two reductions, so that the fused variant can keep them ATen's."""
+    ``sum_to(t, shape)`` are the two reductions, so that the fused variants can keep them ATen's; ``num`` the
+    rounding primitives (``roundalign.numerics.formulas``)."""
     acc = compute_dtype(x)
-    x32 = x.to(acc)
+    x32 = num.to(x, acc)
     rstd = rstd_fn(x32, eps)
     normed = x32 * rstd
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
-        grad_w = sum_to(grad * normed.to(out_dtype), weight.shape)  # MulBackward, then the broadcast's sum
-        grad_normed = (grad * weight).to(acc)  # MulBackward, then the cast's backward
+        # MulBackward, then the broadcast's sum
+        grad_w = sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
+        grad_normed = num.to(num.ew(torch.mul, grad, weight), acc)  # MulBackward, then the cast's backward
     elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
-        g32 = grad.to(acc)
-        grad_w = sum_to(g32 * normed, weight.shape).to(weight.dtype)
-        grad_normed = g32 * weight.to(acc)
+        g32 = num.to(grad, acc)
+        grad_w = num.to(sum_to(g32 * normed, weight.shape), weight.dtype)
+        grad_normed = g32 * num.to(weight, acc)
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
@@ -62,18 +59,11 @@ def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rs
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
-    return grad_x32.to(x.dtype), grad_w
+    return num.to(grad_x32, x.dtype), grad_w
 
 
 def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
     return t.sum_to_size(shape)
-
-
-# The backward's sums as an op Inductor cannot see into (it would sum in its own order), for the fused variant.
-_sum_to_op = torch.library.custom_op(
-    "roundalign::sum_to", _sum_to, mutates_args=(), schema="(Tensor t, SymInt[] size) -> Tensor"
-)
-_sum_to_op.register_fake(lambda t, size: t.new_empty(size))
 
 
 def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
@@ -81,22 +71,39 @@ def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.
 
 
 def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd_op, _sum_to_op)
+    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op)
 
 
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
-    return _rms_norm(x, weight, eps, rule, out_dtype, _rstd_op)
+    return _rms_norm(x, weight, eps, rule, out_dtype, rstd_op)
 
 
-def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype):
+def _rms_norm_traced(x, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _rms_norm(x, weight, eps, rule, out_dtype, rstd_op, num=TRACED)
+
+
+def _rms_norm_backward_traced(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED)
+
+
+def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype, num=EAGER):
     """Autograd's backward of ``_add_fp32_sum``: S's gradient is its own plus R's widened; the add hands it to both
     operands, each cast back to its dtype. (``a`` and ``h`` are shape-only stand-ins: nothing reads their values.)"""
-    g = grad_s + grad_r.to(grad_s.dtype)
-    return g.to(a.dtype), g.to(h.dtype)
+    g = grad_s + num.to(grad_r, grad_s.dtype)
+    return num.to(g, a.dtype), num.to(g, h.dtype)
+
+
+def _add_rounded_backward(grad, a, h, num=EAGER):
+    """Autograd's backward of ``h + a``: the gradient as it is, cast to each operand's dtype."""
+    return num.to(grad, a.dtype), num.to(grad, h.dtype)
 
 
 _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
-_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward)
+# Inside a compiled model both variants run the same traced formula (roundalign.ops._traced).
+_RMS_TRACED = (_rms_norm_traced, _rms_norm_backward_traced)
+_rms_norm_op = define(
+    "rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward, traced=_RMS_TRACED
+)
 # Fused: Inductor fuses the elementwise work of the forward and of the written-out backward; the variance and the
 # backward's two sums run as opaque ATen ops inside, in ATen's order.
 _rms_norm_compiled_op = define(
@@ -109,9 +116,12 @@ _rms_norm_compiled_op = define(
     compile=True,
     backward=_rms_norm_backward_opaque_sums,
     rowwise=True,
+    traced=_RMS_TRACED,
 )
 # The adds are linear: their backward reads no input values, so a and h are not saved.
-_add_rounded_op = define("add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[])
+_add_rounded_op = define(
+    "add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[], backward=_add_rounded_backward
+)
 _add_fp32_sum_op = define(
     "add_fp32_sum",
     _add_fp32_sum,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from roundalign.numerics.dtypes import compute_dtype, default_out_dtype
+from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import rope as _rope
 from roundalign.ops._custom import define
 from roundalign.profiles import RopeRounding
@@ -29,7 +30,13 @@ def _rotate_half_backward(g: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_backward(
-    grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: str, out_dtype: torch.dtype
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rounding: str,
+    out_dtype: torch.dtype,
+    num=EAGER,
 ) -> torch.Tensor:
     """Autograd's backward of ``_rope`` with respect to ``x``, op for op, without replaying it under
     ``torch.func.vjp``. ``x`` is a shape-and-dtype stand-in (RoPE is linear in it: its values are not saved)."""
@@ -37,15 +44,16 @@ def _rope_backward(
     if rounding == RopeRounding.PER_OP:
         # Each product's gradient comes back in the product's dtype and is cast to x's before the two are added,
         # in x's dtype, as autograd accumulates them.
-        g_cos = grad.to(torch.promote_types(x.dtype, cos.dtype))
-        g_sin = grad.to(torch.promote_types(x.dtype, sin.dtype))
-        via_cos = (g_cos * cos).sum_to_size(shape).to(x.dtype)
-        return via_cos + _rotate_half_backward((g_sin * sin).sum_to_size(shape).to(x.dtype))
+        g_cos = num.to(grad, torch.promote_types(x.dtype, cos.dtype))
+        g_sin = num.to(grad, torch.promote_types(x.dtype, sin.dtype))
+        via_cos = num.to(num.sum_to(num.ew(torch.mul, g_cos, cos), shape), x.dtype)
+        via_sin = num.to(num.sum_to(num.ew(torch.mul, g_sin, sin), shape), x.dtype)
+        return num.ew(torch.add, via_cos, _rotate_half_backward(via_sin))
     if rounding in (RopeRounding.ONCE, RopeRounding.TRUNCATE):
         acc = compute_dtype(x)
-        g = grad.to(acc)
-        via_cos = (g * cos.to(acc)).sum_to_size(shape)
-        return (via_cos + _rotate_half_backward((g * sin.to(acc)).sum_to_size(shape))).to(x.dtype)
+        g = num.to(grad, acc)
+        via_cos = num.sum_to(g * num.to(cos, acc), shape)
+        return num.to(via_cos + _rotate_half_backward(num.sum_to(g * num.to(sin, acc), shape)), x.dtype)
     raise ValueError(f"unknown rope rounding {rounding!r}")
 
 

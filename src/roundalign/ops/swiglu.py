@@ -13,26 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from roundalign.numerics.dtypes import compute_dtype
+from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import swiglu as _swiglu
 from roundalign.ops._custom import define
 from roundalign.profiles import SwiGLURule
 
 
-def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, rule: str):
+def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, rule: str, num=EAGER):
     """Autograd's backward of ``_swiglu``, op for op (derivatives.yaml: mul, silu, the casts), without the cost of
     replaying the formula under ``torch.func.vjp`` on every call."""
     if rule == SwiGLURule.ROUND_SILU:  # silu(g) * u in the 16-bit dtype
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+        grad_gate = num.silu_backward(num.ew(torch.mul, grad, up), gate)  # in the 16-bit dtype, as autograd's
+        return grad_gate, num.ew(torch.mul, grad, num.ew(F.silu, gate))
     if rule == SwiGLURule.ONCE:
         acc = compute_dtype(gate)
-        g32, u32, grad32 = gate.to(acc), up.to(acc), grad.to(acc)
-        grad_gate = torch.ops.aten.silu_backward(grad32 * u32, g32)
-        return grad_gate.to(gate.dtype), (grad32 * F.silu(g32)).to(up.dtype)
+        g32, u32, grad32 = num.to(gate, acc), num.to(up, acc), num.to(grad, acc)
+        grad_gate = num.silu_backward(grad32 * u32, g32)
+        return num.to(grad_gate, gate.dtype), num.to(grad32 * F.silu(g32), up.dtype)
     raise ValueError(f"unknown swiglu rule {rule!r}")
 
 
 _swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], backward=_swiglu_backward)
-# The fused variant compiles the same written-out backward (Inductor's silu_backward is ATen's formula).
 _swiglu_compiled_op = define(
     "swiglu_compiled",
     _swiglu,

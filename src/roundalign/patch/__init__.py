@@ -14,6 +14,7 @@ import torch
 
 from roundalign import kernels
 from roundalign.errors import UserError
+from roundalign.ops import _fused
 from roundalign.patch._common import AlignedDecoderLayer
 from roundalign.patch.registry import FAMILIES, Family
 from roundalign.profiles import ForwardKernel, GemmKernel, Profile, QKNormRule, RopeAngles, get_profile
@@ -61,7 +62,7 @@ def apply(
     profile: str | Profile = "vllm",
     *,
     allow_non_bf16: bool = False,
-    compile_ops: bool = False,
+    compile_ops: bool | None = None,
     **region_overrides,
 ):
     """Patch ``model`` in place so that its trainer numerics round where ``profile``'s engine does.
@@ -72,9 +73,12 @@ def apply(
         allow_non_bf16: accept fp32/fp16 parameters (see the error ``apply`` raises without it). fp32 parameters
             under FSDP2 mixed precision or autocast compute what the bf16 model with weights ``r(W)`` computes
             (``roundalign.mixed_precision``); an fp16 model rounds at the profile's rounding points to fp16.
-        compile_ops: run the ops' Inductor-fused variants (``roundalign.ops._custom``): one kernel per op, no fp32
-            temporaries in memory, bitwise equal to the eager ops (tests/test_ops_compiled.py). Each op compiles
-            on its first call (seconds); needs a C++ compiler on the CPU, Triton on GPUs. Numerics do not change.
+        compile_ops: run the ops' Inductor-fused kernels (``roundalign.ops._fused``): one kernel per op, no fp32
+            temporaries in memory, bitwise equal to the eager ops (tests/test_ops_compiled.py). The default,
+            None, uses them wherever Inductor can compile (a C++ compiler on the CPU, Triton on a GPU) unless
+            ``$ROUNDALIGN_COMPILE_OPS=0``, and otherwise runs the eager ops with one warning; True insists (an
+            error when no compiler is at hand); False runs the eager ops. Each kernel compiles on first use
+            (seconds) and is cached on disk by Inductor for later processes. Numerics never change.
         **region_overrides: replace one region's rule, e.g. ``rope="fp32/once"`` or ``qk_norm="fused_into_rope"``.
 
     Returns the model. A profile with stock HF's rules (``hf``: ``Profile.is_stock_hf``) leaves every module as it
@@ -107,10 +111,22 @@ def apply(
     return model
 
 
-def _set_compile_ops(model, compile_ops: bool) -> None:
+def _set_compile_ops(model, compile_ops: bool | None) -> None:
+    fused = _fused.fused_requested(compile_ops)
+    if fused:
+        device = next(iter(model.parameters()), torch.empty(0)).device.type
+        reason = _fused.unavailable_reason(device)
+        if reason is not None and compile_ops:
+            raise RuntimeError(
+                f"apply(..., compile_ops=True) needs Inductor to compile for {device}, but: {reason}. Pass "
+                "compile_ops=None to fall back to the eager ops (same numbers, slower), or False."
+            )
+        if reason is not None:
+            _fused.warn_once(f"unavailable:{device}", f"roundalign: running the eager ops: {reason}.")
+            fused = False
     for module in model.modules():
         if hasattr(type(module), "_roundalign_compile_ops"):
-            module._roundalign_compile_ops = bool(compile_ops)
+            module._roundalign_compile_ops = fused
 
 
 def _patch_modules(model, family: Family, prof: Profile, config) -> None:

@@ -1,0 +1,139 @@
+"""The ops inside a compiled model: formulas whose rounding points Inductor keeps while it fuses them with their
+neighbours.
+
+Under ``torch.compile`` Inductor computes a fused kernel's 16-bit values in fp32 and drops the casts between them
+(``emulate_precision_casts=False``, its default), which would erase a formula's rounding points. Setting that option
+for the whole model would also change the numerics of every stock op in it, and the option belongs to whoever calls
+``torch.compile``. So here the formulas run with rounding primitives that Inductor cannot drop:
+
+- ``roundalign::round_to(x, dtype)``: ``r(x)``, a conversion to the 16-bit ``dtype`` that Inductor lowers as a real
+  conversion (``use_compute_types=False``, what ``emulate_precision_casts`` does for every cast);
+- ``roundalign::widen(x, dtype)``: a 16-bit ``x`` widened to fp32 exactly as stored, rounded first if a fused
+  producer left it in fp32 registers;
+- ``Traced.ew(fn, *tensors)``: an element-wise op on 16-bit operands computed as eager computes it (operands
+  widened, fp32 arithmetic, the result rounded), for the rules written as HF's per-op bf16 expressions.
+
+Reductions stay opaque ATen calls (``roundalign::rms_rstd``, ``roundalign::sum_to``), in ATen's summation order, and
+so does SiLU's backward (``roundalign::silu_backward``): Inductor's decomposition of it associates the products
+otherwise than ATen's kernel, which moves a few fp16 gradients by one unit in the last place. The
+formulas are the same functions as the eager ones (``roundalign.numerics.formulas``), called with ``num=TRACED``
+instead of ``num=EAGER``; tests/test_ops_compiled.py checks a compiled model against the eager ops bit for bit.
+
+Without Inductor (another backend) the primitives run as the plain casts they stand for: the same numbers. Their
+Inductor lowerings register the first time a graph uses them (their fake kernels run while Dynamo traces, before
+Inductor lowers), so importing roundalign never imports Inductor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from roundalign.numerics.dtypes import LOW_PRECISION
+from roundalign.numerics.formulas import rstd_aten
+
+_lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
+_lib.define("round_to(Tensor x, ScalarType dtype) -> Tensor")
+_lib.define("widen(Tensor x, ScalarType dtype) -> Tensor")
+_lib.define("rms_rstd(Tensor x32, float eps) -> Tensor")
+_lib.define("sum_to(Tensor t, SymInt[] size) -> Tensor")
+_lib.define("silu_backward(Tensor grad, Tensor x) -> Tensor")
+
+_lib.impl("round_to", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
+_lib.impl("widen", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
+_lib.impl("rms_rstd", rstd_aten, "CompositeExplicitAutograd")
+_lib.impl("sum_to", lambda t, size: t.sum_to_size(size), "CompositeExplicitAutograd")
+_lib.impl("silu_backward", lambda grad, x: torch.ops.aten.silu_backward(grad, x), "CompositeExplicitAutograd")
+
+_registered = False
+
+
+def _register_lowerings() -> None:
+    """Inductor lowerings for the two rounding primitives (once, on first use in a traced graph)."""
+    global _registered
+    if _registered:
+        return
+    from torch._inductor import lowering as L
+    from torch._inductor.virtualized import ops
+
+    @L.register_lowering(torch.ops.roundalign.round_to.default, type_promotion_kind=None)
+    def _round_to(x, dtype):
+        return L.to_dtype(x, dtype, copy=True, use_compute_types=False)  # a real conversion: r(x)
+
+    @L.register_lowering(torch.ops.roundalign.widen.default, type_promotion_kind=None)
+    def _widen(x, dtype):
+        src = x.get_dtype()
+
+        def inner(v):
+            # A value a fused producer computed in fp32 is rounded to its 16-bit dtype here, as storing it would.
+            v16 = ops.to_dtype(v, src, use_compute_types=False)
+            return ops.to_dtype(v16, dtype, use_compute_types=False)
+
+        return L.make_pointwise(inner, override_return_dtype=dtype)(x)
+
+    _registered = True
+
+
+@torch.library.register_fake("roundalign::round_to")
+def _(x, dtype):
+    _register_lowerings()
+    return torch.empty_like(x, dtype=dtype)
+
+
+@torch.library.register_fake("roundalign::widen")
+def _(x, dtype):
+    _register_lowerings()
+    return torch.empty_like(x, dtype=dtype)
+
+
+torch.library.register_fake("roundalign::rms_rstd")(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
+torch.library.register_fake("roundalign::sum_to")(lambda t, size: t.new_empty(size))
+torch.library.register_fake("roundalign::silu_backward")(lambda grad, x: torch.empty_like(x))
+
+
+def rstd_op(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """nu(x) as an ATen call Inductor cannot see into (it would sum the squares in its own order)."""
+    return torch.ops.roundalign.rms_rstd(x32, eps)
+
+
+def sum_to_op(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.sum_to_size(shape)`` as an ATen call Inductor cannot see into; no call when nothing is summed."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    return torch.ops.roundalign.sum_to(t, list(shape))
+
+
+class Traced:
+    """The rounding primitives of ``roundalign.numerics.formulas.Eager``, in a form Inductor keeps."""
+
+    @staticmethod
+    def to(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+        if t.dtype == dtype and dtype in LOW_PRECISION:
+            # A no-op cast in eager, whose 16-bit tensor holds rounded values; here it may pass on a value a fused
+            # producer left in fp32 registers (a gradient through an add), so settle it as stored.
+            return torch.ops.roundalign.round_to(torch.ops.roundalign.widen(t, torch.float32), dtype)
+        if t.dtype == dtype:
+            return t.clone() if copy else t
+        if dtype in LOW_PRECISION and t.dtype not in LOW_PRECISION:
+            return torch.ops.roundalign.round_to(t, dtype)
+        if t.dtype in LOW_PRECISION and dtype not in LOW_PRECISION:
+            return torch.ops.roundalign.widen(t, dtype)
+        return t.to(dtype)
+
+    @staticmethod
+    def ew(fn, *tensors: torch.Tensor) -> torch.Tensor:
+        out = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        if out not in LOW_PRECISION:
+            return fn(*(Traced.to(t, out) for t in tensors))
+        wide = [Traced.to(t, torch.float32) for t in tensors]
+        return Traced.to(fn(*wide), out)
+
+    sum_to = staticmethod(sum_to_op)
+
+    @staticmethod
+    def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.roundalign.silu_backward(grad, x)
+
+
+TRACED = Traced()

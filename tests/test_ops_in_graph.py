@@ -1,0 +1,101 @@
+"""Inside a compiled graph (``torch.compile`` with Inductor's default config) every op equals the eager op bit for
+bit, forward and backward, while Inductor fuses it with the stock code around it (``roundalign.ops._traced``).
+
+Each case compiles ``consumer(op(producer(inputs)))``: the producer and consumer are stock 16-bit element-wise ops
+(``x * 1.1``, ``y * 1.3``), the ones whose rounding Inductor drops when it fuses them, so the case also checks
+that an op reads its inputs as stored and hands on outputs as rounded. The reference is the same function run
+eagerly with the eager ops, whose formulas tests/test_ops.py checks against independent ones. Compiling takes
+seconds per case, hence ``slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, sprinkle, tie_prone_bf16
+from roundalign import ops
+from roundalign.profiles import ResidualRule, RMSNormRule, RopeRounding, SwiGLURule
+
+pytestmark = pytest.mark.slow
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _values(shape, seed: int, dtype=BF16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2).to(BF16)
+    x = torch.where(torch.rand(shape, generator=g) < 0.2, tie_prone_bf16(shape, g), x)
+    return sprinkle(x, g, 0.002).to(dtype)
+
+
+def _check(fn, inputs, what: str):
+    """``fn(*inputs)`` eager and compiled: outputs and input gradients bitwise equal."""
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        run = torch.compile(fn, fullgraph=True) if compiled else fn
+        outs = run(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(7)
+        grads = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+        torch.autograd.backward(outs, grads)
+        results.append(([o.detach() for o in outs], [leaf.grad for leaf in leaves]))
+    (eager_out, eager_grad), (comp_out, comp_grad) = results
+    for i, (a, b) in enumerate(zip(comp_out, eager_out, strict=True)):
+        assert_bitwise_equal(a, b, f"{what} output {i}")
+    for i, (a, b) in enumerate(zip(comp_grad, eager_grad, strict=True)):
+        assert (a is None) == (b is None), f"{what} grad {i}"
+        if a is not None:
+            assert_bitwise_equal(a, b, f"{what} grad {i}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("rule", [r.value for r in RMSNormRule] + ["fused_into_rope"])
+def test_rms_norm(rule, dtype):
+    def fn(x, w):
+        return ops.rms_norm(x * 1.1, w, 1e-6, rule, dtype) * 1.3
+
+    _check(fn, (_values((3, 37, 200), 1, dtype), _values((200,), 2, dtype)), f"rms_norm {rule} {dtype}")
+
+
+@pytest.mark.parametrize("rule", [r.value for r in ResidualRule])
+def test_residual_add(rule):
+    def fn(a, h):
+        rounded, x = ops.residual_add(a * 1.1, h * 1.1, rule)
+        if x is rounded:  # normalize_rounded_sum: one tensor; two uses would add their gradients as stock code
+            return rounded * 1.3  # does, which Inductor fuses in fp32 (docs/design.md, section 6)
+        return rounded * 1.3, x * 1.3
+
+    _check(fn, (_values((4, 9, 96), 3), _values((4, 9, 96), 4)), f"residual_add {rule}")
+
+
+@pytest.mark.parametrize("cos_dtype", [BF16, FP32])
+@pytest.mark.parametrize("rounding", [r.value for r in RopeRounding])
+def test_rope(rounding, cos_dtype):
+    def fn(q, cos, sin):
+        x = (q * 1.1).transpose(1, 2)  # (B, H, T, D), as the attention hands it over
+        return ops.rope(x, cos.unsqueeze(1), sin.unsqueeze(1), rounding, BF16) * 1.3
+
+    angles = torch.rand(2, 11, 32, generator=torch.Generator().manual_seed(5)) * 40
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(cos_dtype), torch.cat([angles.sin()] * 2, -1).to(cos_dtype)
+    _check(fn, (_values((2, 11, 3, 64), 6), cos, sin), f"rope {rounding} {cos_dtype}")
+
+
+def test_rope_of_an_fp32_norm_output():
+    def fn(q, w, cos, sin):
+        normed = ops.rms_norm(q * 1.1, w, 1e-6, "fused_into_rope", BF16)  # fp32, rounded by RoPE
+        return ops.rope(normed.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1), "once", BF16)
+
+    angles = torch.rand(2, 11, 32, generator=torch.Generator().manual_seed(8)) * 40
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(BF16), torch.cat([angles.sin()] * 2, -1).to(BF16)
+    _check(fn, (_values((2, 11, 3, 64), 9), _values((64,), 10), cos, sin), "q-norm into rope")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("rule", [r.value for r in SwiGLURule])
+def test_swiglu(rule, dtype):
+    def fn(gate, up):
+        return ops.swiglu(gate * 1.1, up * 1.1, rule) * 1.3
+
+    _check(fn, (_values((3, 7, 301), 11, dtype), _values((3, 7, 301), 12, dtype)), f"swiglu {rule} {dtype}")
