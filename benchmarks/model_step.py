@@ -9,12 +9,21 @@ trainer pays for a whole step. Two models:
   ``qwen3-0.6b-2l-v16k`` is the same with a 16,384-token vocabulary (benchmarks/exact_step.py's second shape, sized
   for a CPU without native bf16 GEMMs).
 
-Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all
-start from the same weights), and ``aligned+compile_ops`` (``apply(..., compile_ops=True)``: the ops' Inductor-fused
-variants, bitwise equal). Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over the
-model's forward, loss included since HF computes it there; AOTAutograd compiles the backward; the AdamW step stays
-eager). Each round runs one step of every variant in turn (interleaved, so machine drift hits all alike); round 1
-is warm-up (and compilation); the table gives medians and ratios to the stock row of the same case and mode.
+Variants: ``stock`` (HF as loaded), ``aligned`` and ``vllm`` (``roundalign.apply`` on a deep copy, so all start
+from the same weights, with apply's defaults: the ops' fused kernels wherever Inductor can compile), and
+``aligned+eager_ops`` (``apply(..., compile_ops=False)``: the eager ops, which were the default before issue 18).
+Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over the model's forward, loss included
+since HF computes it there; AOTAutograd compiles the backward, and the ops are traced into the graph, fused with
+their neighbours; the AdamW step stays eager). Each round runs one step of every variant in turn (interleaved, so
+machine drift hits all alike); round 1 is warm-up (and compilation); the table gives medians and ratios to the
+stock row of the same case and mode.
+
+``--gemm``: what the linear layers' GEMMs run as, the same in every variant. ``native`` is the model's bf16 GEMM.
+``fp32`` computes each ``F.linear`` in fp32 and rounds its output to bf16 once: on a CPU without native bf16 GEMMs
+(no AVX512-BF16 or AMX), torch's bf16 GEMM is an emulated path several times slower than fp32, which buries the
+element-wise regions this suite measures under GEMM time (a tiny-qwen3 step took 9 s). ``auto`` (the default)
+times both on a 1024-cube GEMM and takes ``fp32`` when bf16 is more than twice as slow; the choice is printed and
+kept in the JSON (``gemm``).
 
 After the timed rounds, one more step per variant measures memory (never timed):
 - ``saved_bytes``: activation bytes saved for backward over the whole forward, from
@@ -46,18 +55,20 @@ from _machine import machine_info
 
 import roundalign
 
-# stock first: the others' ratios divide by it. "+compile_ops": apply(..., compile_ops=True), the ops fused by Inductor.
-VARIANTS = ("stock", "aligned", "vllm", "aligned+compile_ops")
+# stock first: the others' ratios divide by it. "+eager_ops": apply(..., compile_ops=False), the eager ops.
+VARIANTS = ("stock", "aligned", "vllm", "aligned+eager_ops")
 MODES = ("eager", "compiled")
 PASS = "train step"
-# (model, batch, seq, modes, rounds). Sized for about 8 of `make bench`'s 15 minutes on 2 cores, where one eager
-# step of the 0.6B shape takes ~2-6 s at 512 tokens (a first full run of the suite took 5.5 minutes with half
-# these rounds, and its 3-timed-round medians were too noisy). docs/benchmarks.md says what was cut.
+# (model, batch, seq, modes, rounds). Sized for about 8 of `make bench`'s 15 minutes on 2 cores. The 0.6B-wide case
+# has a 4,096-token vocabulary, so that the LM head does not hide the element-wise regions (with the real 151,936
+# the head is most of a 2-layer step: `--cases qwen3-0.6b-2l` runs it).
 FULL_CASES = (
     ("tiny-qwen3", 8, 128, MODES, 12),
-    ("qwen3-0.6b-2l", 1, 512, MODES, 8),
-    ("qwen3-0.6b-2l", 1, 1024, ("eager",), 6),
+    ("qwen3-0.6b-2l-v4k", 1, 512, ("eager",), 8),
+    ("qwen3-0.6b-2l-v4k", 1, 1024, MODES, 8),
+    ("qwen3-0.6b-2l-v4k", 1, 2048, ("eager",), 6),
 )
+EXTRA_CASES = (("qwen3-0.6b-2l", 1, 512, MODES, 8),)
 QUICK_CASES = (("tiny-qwen3", 2, 32, MODES, 2),)
 
 
@@ -67,10 +78,10 @@ def build_model(name: str) -> transformers.PreTrainedModel:
         return transformers.AutoModelForCausalLM.from_pretrained(
             roundalign.models.path("tiny-qwen3"), dtype=torch.bfloat16, attn_implementation="sdpa"
         )
-    if name in ("qwen3-0.6b-2l", "qwen3-0.6b-2l-v16k"):
+    if name in VOCAB:
         config = transformers.Qwen3Config(
             hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, vocab_size=151936 if name == "qwen3-0.6b-2l" else 16384,
+            num_key_value_heads=8, head_dim=128, vocab_size=VOCAB[name],
             tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )  # fmt: skip
@@ -78,7 +89,38 @@ def build_model(name: str) -> transformers.PreTrainedModel:
     raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(MODELS)}")
 
 
-MODELS = ("tiny-qwen3", "qwen3-0.6b-2l", "qwen3-0.6b-2l-v16k")
+VOCAB = {"qwen3-0.6b-2l": 151936, "qwen3-0.6b-2l-v16k": 16384, "qwen3-0.6b-2l-v4k": 4096}
+MODELS = ("tiny-qwen3", *VOCAB)
+
+
+def _fp32_linear(x, weight, bias=None):
+    """The GEMM stand-in (``--gemm fp32``): ``F.linear`` in fp32, its output rounded to the input's dtype once."""
+    out = _LINEAR(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+_LINEAR = torch.nn.functional.linear
+
+
+def choose_gemm(gemm: str) -> tuple[str, str]:
+    """(``native`` or ``fp32``, why) for ``--gemm``; installs the stand-in for ``fp32``."""
+    why = "asked for"
+    if gemm == "auto":
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        cost = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = a.to(dtype), b.to(dtype)
+            _LINEAR(x, w)
+            start = time.perf_counter()
+            for _ in range(3):
+                _LINEAR(x, w)
+            cost[dtype] = time.perf_counter() - start
+        slower = cost[torch.bfloat16] / cost[torch.float32]
+        gemm = "fp32" if slower > 2 else "native"
+        why = f"bf16 GEMM {slower:.1f}x the time of fp32 on this CPU"
+    if gemm == "fp32":
+        torch.nn.functional.linear = _fp32_linear
+    return gemm, why
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -169,11 +211,8 @@ def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int)
     trainers = {}
     for variant in VARIANTS:
         profile, _, fused = variant.partition("+")
-        model = (
-            base
-            if variant == "stock"
-            else roundalign.apply(copy.deepcopy(base), profile, compile_ops=fused == "compile_ops")
-        )
+        compile_ops = False if fused == "eager_ops" else None  # None: apply's default
+        model = base if variant == "stock" else roundalign.apply(copy.deepcopy(base), profile, compile_ops=compile_ops)
         if mode == "compiled":
             model.compile()
         trainers[variant] = Trainer(model, ids)
@@ -230,6 +269,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of eager,compiled")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gemm", choices=("auto", "native", "fp32"), default="auto", help="see the docstring")
+    ap.add_argument(
+        "--cases", help="comma-separated models to run (default: the full suite's); adds the real-vocab case"
+    )
     ap.add_argument("--json", metavar="PATH", help="write {suite, machine, results} here")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -244,16 +287,29 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
 
     machine = machine_info()
+    machine["gemm"], why = choose_gemm(args.gemm)
     print(
         f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {machine['torch_threads']} torch "
         f"threads, torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}"
     )
     print(f"{PASS}: forward + backward + AdamW; round 1 warm-up; medians; ratios to stock in the same run")
+    print(f"linear layers' GEMMs: {machine['gemm']} ({why})")
+    cases = QUICK_CASES if args.quick else FULL_CASES + EXTRA_CASES
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        if wanted - set(MODELS):
+            ap.error(f"--cases takes models from {', '.join(MODELS)}; got {args.cases!r}")
+        cases = [c for c in cases if c[0] in wanted]
+    elif not args.quick:
+        cases = FULL_CASES
     rows = []
-    for name, batch, seq, case_modes, case_rounds in QUICK_CASES if args.quick else FULL_CASES:
-        for mode in case_modes:
-            if mode in modes:
-                rows.extend(run_case(name, batch, seq, mode, rounds or case_rounds, args.seed))
+    try:
+        for name, batch, seq, case_modes, case_rounds in cases:
+            for mode in case_modes:
+                if mode in modes:
+                    rows.extend(run_case(name, batch, seq, mode, rounds or case_rounds, args.seed))
+    finally:
+        torch.nn.functional.linear = _LINEAR  # the stand-in, if any, ends with the suite (tests run it in-process)
     print(format_table(rows))
     result = {"suite": "model", "machine": machine, "results": rows}
     if args.json:

@@ -1,14 +1,18 @@
 """Fill docs/benchmarks.md from the two suites' JSON, with every ratio next to its target and misses marked.
 
     .venv/bin/python benchmarks/report.py --ops ops.json --model model.json --out docs/benchmarks.md
+    .venv/bin/python benchmarks/report.py --exact exact.json --compile-time compile.json
+
 
 Reads ``{"suite": "ops"|"model", "machine": {...}, "results": [row, ...]}`` (benchmarks/ops.py,
 benchmarks/model_step.py), replaces the text between ``<!-- bench:ops -->`` / ``<!-- /bench:ops -->`` and
 ``<!-- bench:model -->`` / ``<!-- /bench:model -->`` in ``--out``, and keeps the raw JSON beside the page
 (docs/benchmarks/ops.json and model.json for docs/benchmarks.md). Either suite may be left out; its table stays.
 
-Targets (issue 6): time at most 1.05x stock in eager mode; compiled, the aligned model no slower than compiled
-stock (1.00x); saved-for-backward and peak memory at most 1.00x stock.
+Targets (issues 6 and 18): time at most 1.05x stock in eager mode; compiled, the aligned model no slower than
+compiled stock (1.00x); saved-for-backward and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels,
+benchmarks/exact_step.py, ``--exact``) at most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the
+first-use compile time, cold and warm.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 TIME_TARGET = {"eager": 1.05, "compiled": 1.00}
 MEMORY_TARGET = 1.00
+EXACT_TARGET = {"rounding": 1.05, "exact": 1.20}
 REQUIRED = ("name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_ratio", "peak_ratio")
 
 
@@ -105,6 +110,38 @@ def section(data: dict) -> str:
     return "\n".join(out)
 
 
+def exact_section(data: dict) -> str:
+    """The exact trainer's block (benchmarks/exact_step.py): time per pass and peak, against their targets."""
+    head = ["model", "shape", "pass", "variant", "profile", "time ms", "time × stock", "peak MiB", "peak × stock"]
+    lines = [machine_line(data.get("machine", {})), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses = checked = 0
+    for r in data["results"]:
+        stock = r["variant"] == "stock"
+        time_cell, miss = _ratio(r["time_ratio"], EXACT_TARGET.get(r["variant"], 1.0), stock)
+        peak_cell, peak_miss = _ratio(r.get("peak_ratio"), MEMORY_TARGET, stock)
+        misses += miss + peak_miss
+        checked += (not stock) + (not stock and r.get("peak_ratio") is not None)
+        lines.append("| " + " | ".join([
+            r["name"], r["shape"], r["pass"], r["variant"], r.get("profile", ""), f"{r['time_ms']:.4g}", time_cell,
+            _mib(r.get("peak_bytes")), peak_cell]) + " |")  # fmt: skip
+    lines += ["", f"Targets missed: {misses} of {checked} ratios checked."]
+    return "\n".join(lines)
+
+
+def compile_section(data: dict) -> str:
+    """The first-use compile time block (benchmarks/compile_time.py)."""
+    lines = [machine_line(data.get("machine", {})), "",
+             f"{data['model']}, profile `{data['profile']}`: the first training step's extra time (first step less "
+             "the second), in fresh processes sharing one Inductor cache folder.", "",
+             "| cache | first-use s | first step s | second step s | stock HF second step s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name in ("cold", "warm"):
+        r = data[name]
+        lines.append(f"| {name} | {r['first_use_s']:.1f} | {r['first_s']:.1f} | {r['second_s']:.2f} | "
+                     f"{r['stock_second_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def fill(page: str, suite: str, block: str) -> str:
     """Replace what lies between the suite's markers in ``page`` with ``block``."""
     start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
@@ -120,10 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ops", metavar="JSON", help="benchmarks/ops.py --json output")
     ap.add_argument("--model", metavar="JSON", help="benchmarks/model_step.py --json output")
+    ap.add_argument("--exact", metavar="JSON", help="benchmarks/exact_step.py --json output")
+    ap.add_argument("--compile-time", metavar="JSON", help="benchmarks/compile_time.py --json output")
     ap.add_argument("--out", default="docs/benchmarks.md", help="the page with the markers (default %(default)s)")
     args = ap.parse_args(argv)
-    if not args.ops and not args.model:
-        ap.error("give --ops, --model or both")
+    if not (args.ops or args.model or args.exact or args.compile_time):
+        ap.error("give at least one of --ops, --model, --exact, --compile-time")
     out = Path(args.out)
     if not out.is_file():
         ap.error(f"--out {out} does not exist; it must be the page holding the bench markers")
@@ -134,6 +173,16 @@ def main(argv: list[str] | None = None) -> None:
             continue
         data = load(path, suite)
         page = fill(page, suite, section(data))
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
+    for suite, path, render in (("exact", args.exact, exact_section), ("compile_time", args.compile_time,
+                                                                        compile_section)):  # fmt: skip
+        if not path:
+            continue
+        data = json.loads(Path(path).read_text())
+        if data.get("suite") != suite or (suite == "exact" and not data.get("results")):
+            raise ValueError(f"{path}: expected a {suite!r} suite JSON with results")
+        page = fill(page, suite, render(data))
         raw_dir.mkdir(parents=True, exist_ok=True)
         (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
     out.write_text(page)

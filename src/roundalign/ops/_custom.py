@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from roundalign.ops import _fused
-from roundalign.ops._traced import TRACED
+from roundalign.ops._traced import TRACED, TRACED_BACKWARD
 
 
 def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, grads, diff: Sequence[int]):
@@ -107,10 +107,10 @@ def define(
     and every output has the first input's shape, so the fused variant sees 2-D rows whatever the caller's rank
     (one kernel for (B, T, H) activations and (B, T, heads, D) q/k alike). ``traced``: the (forward, backward)
     pair to run inside a compiled model (``roundalign.ops._traced``); by default ``formula`` and ``backward``
-    called with ``num=TRACED``.
+    called with ``num=TRACED`` and ``num=TRACED_BACKWARD``.
     """
     if traced is None and backward is not None:
-        traced = (functools.partial(formula, num=TRACED), functools.partial(backward, num=TRACED))
+        traced = (functools.partial(formula, num=TRACED), functools.partial(backward, num=TRACED_BACKWARD))
     return Op(name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, traced)
 
 
@@ -289,14 +289,12 @@ def _traced_function(op: Op, forward: Callable, backward: Callable) -> type[torc
     class Traced(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
-            ts, consts = args[: op.nt], args[op.nt :]
-            ctx.save_for_backward(*ts)
-            ctx.consts = consts
-            return forward(*ts, *consts)
+            _save(ctx, op, args)  # only the inputs whose values the backward reads, as in eager
+            return forward(*args)
 
         @staticmethod
         def backward(ctx, *grads):
-            got = backward(*grads, *ctx.saved_tensors, *ctx.consts)
+            got = backward(*grads, *_saved(ctx, op), *ctx.consts)
             return _per_input(op, got if isinstance(got, tuple) else (got,), len(ctx.consts))
 
     Traced.__name__ = Traced.__qualname__ = f"{op.name}_traced"

@@ -50,7 +50,10 @@ ENV = "ROUNDALIGN_COMPILE_OPS"  # "0" runs the eager ops everywhere (apply's def
 
 def _sources() -> list[Path]:
     here = Path(__file__).resolve().parent
-    return sorted(here.glob("*.py")) + [here.parent / "numerics" / "formulas.py", here.parent / "numerics" / "dtypes.py"]
+    return sorted(here.glob("*.py")) + [
+        here.parent / "numerics" / "formulas.py",
+        here.parent / "numerics" / "dtypes.py",
+    ]
 
 
 def source_key(files) -> str:

@@ -34,14 +34,21 @@ from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.numerics.formulas import rstd_aten
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
-_lib.define("round_to(Tensor x, ScalarType dtype) -> Tensor")
-_lib.define("widen(Tensor x, ScalarType dtype) -> Tensor")
+# Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
+# rather than save their fp32 results (twice the bytes), as it does for stock casts.
+_lib.define("round_to(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag.pointwise,))
+_lib.define("widen(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag.pointwise,))
+# The same widening, read by a backward from its saved 16-bit inputs. A second op so that AOTAutograd does not merge
+# it with the forward's widening of the same tensor: the merged node's fp32 result would be saved for the backward
+# (twice the bytes of the 16-bit input), since the partitioner recomputes only ATen's own pointwise ops.
+_lib.define("widen_saved(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag.pointwise,))
 _lib.define("rms_rstd(Tensor x32, float eps) -> Tensor")
 _lib.define("sum_to(Tensor t, SymInt[] size) -> Tensor")
 _lib.define("silu_backward(Tensor grad, Tensor x) -> Tensor")
 
 _lib.impl("round_to", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("widen", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
+_lib.impl("widen_saved", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("rms_rstd", rstd_aten, "CompositeExplicitAutograd")
 _lib.impl("sum_to", lambda t, size: t.sum_to_size(size), "CompositeExplicitAutograd")
 _lib.impl("silu_backward", lambda grad, x: torch.ops.aten.silu_backward(grad, x), "CompositeExplicitAutograd")
@@ -62,6 +69,7 @@ def _register_lowerings() -> None:
         return L.to_dtype(x, dtype, copy=True, use_compute_types=False)  # a real conversion: r(x)
 
     @L.register_lowering(torch.ops.roundalign.widen.default, type_promotion_kind=None)
+    @L.register_lowering(torch.ops.roundalign.widen_saved.default, type_promotion_kind=None)
     def _widen(x, dtype):
         src = x.get_dtype()
 
@@ -87,6 +95,12 @@ def _(x, dtype):
     return torch.empty_like(x, dtype=dtype)
 
 
+@torch.library.register_fake("roundalign::widen_saved")
+def _(x, dtype):
+    _register_lowerings()
+    return torch.empty_like(x, dtype=dtype)
+
+
 torch.library.register_fake("roundalign::rms_rstd")(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 torch.library.register_fake("roundalign::sum_to")(lambda t, size: t.new_empty(size))
 torch.library.register_fake("roundalign::silu_backward")(lambda grad, x: torch.empty_like(x))
@@ -105,29 +119,31 @@ def sum_to_op(t: torch.Tensor, shape) -> torch.Tensor:
 
 
 class Traced:
-    """The rounding primitives of ``roundalign.numerics.formulas.Eager``, in a form Inductor keeps."""
+    """The rounding primitives of ``roundalign.numerics.formulas.Eager``, in a form Inductor keeps. ``widen`` is the
+    widening op: ``roundalign::widen`` in forwards, ``roundalign::widen_saved`` in backwards."""
 
-    @staticmethod
-    def to(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    def __init__(self, widen):
+        self._widen = widen
+
+    def to(self, t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
         if t.dtype == dtype and dtype in LOW_PRECISION:
             # A no-op cast in eager, whose 16-bit tensor holds rounded values; here it may pass on a value a fused
             # producer left in fp32 registers (a gradient through an add), so settle it as stored.
-            return torch.ops.roundalign.round_to(torch.ops.roundalign.widen(t, torch.float32), dtype)
+            return torch.ops.roundalign.round_to(self._widen(t, torch.float32), dtype)
         if t.dtype == dtype:
             return t.clone() if copy else t
         if dtype in LOW_PRECISION and t.dtype not in LOW_PRECISION:
             return torch.ops.roundalign.round_to(t, dtype)
         if t.dtype in LOW_PRECISION and dtype not in LOW_PRECISION:
-            return torch.ops.roundalign.widen(t, dtype)
+            return self._widen(t, dtype)
         return t.to(dtype)
 
-    @staticmethod
-    def ew(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    def ew(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
         out = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
         if out not in LOW_PRECISION:
-            return fn(*(Traced.to(t, out) for t in tensors))
-        wide = [Traced.to(t, torch.float32) for t in tensors]
-        return Traced.to(fn(*wide), out)
+            return fn(*(self.to(t, out) for t in tensors))
+        wide = [self.to(t, torch.float32) for t in tensors]
+        return self.to(fn(*wide), out)
 
     sum_to = staticmethod(sum_to_op)
 
@@ -136,4 +152,5 @@ class Traced:
         return torch.ops.roundalign.silu_backward(grad, x)
 
 
-TRACED = Traced()
+TRACED = Traced(torch.ops.roundalign.widen)
+TRACED_BACKWARD = Traced(torch.ops.roundalign.widen_saved)

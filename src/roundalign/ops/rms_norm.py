@@ -31,7 +31,7 @@ from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
 from roundalign.numerics.formulas import rstd_aten as _rstd
 from roundalign.ops._custom import define
-from roundalign.ops._traced import TRACED, rstd_op, sum_to_op
+from roundalign.ops._traced import TRACED, TRACED_BACKWARD, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
@@ -83,7 +83,7 @@ def _rms_norm_traced(x, weight, eps: float, rule: str, out_dtype: torch.dtype):
 
 
 def _rms_norm_backward_traced(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED)
+    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD)
 
 
 def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype, num=EAGER):
