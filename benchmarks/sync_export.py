@@ -10,10 +10,11 @@ Two tensor sets, each as an fp32 master state_dict:
 Each round exports the whole state_dict once per mode, interleaved (rne, stochastic, error-feedback, rne, ...) so
 that machine drift hits every mode alike; the first round is warm-up. Medians and ratios against RNE come from the
 same run. ``UpdateTracker.update`` is timed on the RNE export, after one untimed first call (which has no previous
-step to compare with).
+step to compare with); ``--no-tracker`` skips it. ``--dtypes bf16,fp16`` runs each set once per export dtype.
 
-    .venv/bin/python benchmarks/sync_export.py                       # both sets, 3 timed rounds
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_export.py     # both sets, bf16, 3 timed rounds
     .venv/bin/python benchmarks/sync_export.py --sets tiny --repeats 10 --json /tmp/sync.json
+    .venv/bin/python benchmarks/sync_export.py --sets 0.5b --dtypes bf16,fp16 --no-tracker
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def qwen25_05b_master(seed: int) -> dict[str, torch.Tensor]:
             else 0.02 * torch.randn(s, generator=g) for n, s in shapes.items()}  # fmt: skip
 
 
-def bench_set(name: str, master: dict[str, torch.Tensor], args) -> dict:
+def bench_set(name: str, master: dict[str, torch.Tensor], dtype: str, args) -> dict:
     numel = sum(t.numel() for t in master.values())
-    print(f"\n{name}: {len(master)} tensors, {numel / 1e6:.1f}M parameters ({numel * 4 / 2**30:.2f} GiB fp32)")
-    exporters = {mode: Exporter(mode, seed=args.seed, dtype=_DTYPES[args.dtype]) for mode in MODES}
+    print(f"\n{name}, {dtype}: {len(master)} tensors, {numel / 1e6:.1f}M parameters ({numel * 4 / 2**30:.2f} GiB fp32)")
+    exporters = {mode: Exporter(mode, seed=args.seed, dtype=_DTYPES[dtype]) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_ in range(args.repeats + 1):  # round 0 is warm-up
         for mode in MODES:
@@ -77,22 +78,25 @@ def bench_set(name: str, master: dict[str, torch.Tensor], args) -> dict:
             del served  # only one served copy alive at a time
             if round_:
                 times[mode].append(elapsed)
-    tracker = UpdateTracker(lag_window=args.lag_window, sample_size=args.sample_size, seed=args.seed)
-    served = exporters["rne"].export(master)
-    tracker.update(master, served)  # first call: nothing to compare with yet
     track = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        tracker.update(master, served)
-        track.append(time.perf_counter() - start)
-    del served, tracker, exporters
+    if args.tracker:
+        tracker = UpdateTracker(lag_window=args.lag_window, sample_size=args.sample_size, seed=args.seed)
+        served = exporters["rne"].export(master)
+        tracker.update(master, served)  # first call: nothing to compare with yet
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            tracker.update(master, served)
+            track.append(time.perf_counter() - start)
+        del served, tracker
+    del exporters
     rne = statistics.median(times["rne"])
     print(f"{'mode':<16}{'median s':>10}{'min s':>10}{'vs rne':>8}{'Mparam/s':>10}")
     for mode in MODES:
         med = statistics.median(times[mode])
         print(f"{mode:<16}{med:>10.3f}{min(times[mode]):>10.3f}{med / rne:>7.1f}x{numel / med / 1e6:>10.0f}")
-    med = statistics.median(track)
-    print(f"{'tracker.update':<16}{med:>10.3f}{min(track):>10.3f}{med / rne:>7.1f}x{numel / med / 1e6:>10.0f}")
+    if track:
+        med = statistics.median(track)
+        print(f"{'tracker.update':<16}{med:>10.3f}{min(track):>10.3f}{med / rne:>7.1f}x{numel / med / 1e6:>10.0f}")
     return {"parameters": numel, "tensors": len(master), "export_s": times, "tracker_update_s": track}
 
 
@@ -100,11 +104,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # what to time
     p.add_argument("--sets", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="export dtype")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="export dtype (one; see --dtypes)")
+    p.add_argument("--dtypes", default=None, help="comma-separated export dtypes (bf16, fp16); overrides --dtype")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
     # tracker settings
     p.add_argument("--lag-window", type=int, default=256)
     p.add_argument("--sample-size", type=int, default=65536)
+    p.add_argument("--no-tracker", dest="tracker", action="store_false", help="do not time UpdateTracker.update")
     # run
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -112,6 +118,9 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    dtypes = args.dtypes.split(",") if args.dtypes else [args.dtype]
+    if unknown := [d for d in dtypes if d not in _DTYPES]:
+        p.error(f"unknown dtype {unknown[0]!r}; choose from {', '.join(_DTYPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine_info()
@@ -122,7 +131,11 @@ def main() -> None:
     for name in args.sets.split(","):
         if name not in loaders:
             p.error(f"unknown set {name!r}; choose from {', '.join(loaders)}")
-        results[name] = bench_set(name, loaders[name](), args)
+        master = loaders[name]()
+        for dtype in dtypes:
+            key = name if len(dtypes) == 1 else f"{name}/{dtype}"  # one dtype: the keys as before
+            results[key] = bench_set(name, master, dtype, args)
+        del master
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from roundalign.sync import EXPORT_DTYPES, MODES, Exporter, ExportState, export_bf16
+from roundalign.sync.export import _CHUNK
 
 DELTA = 1e-9  # false-failure probability allowed per statistical check
 VIRTUAL_TOP = {torch.bfloat16: 2.0**128, torch.float16: 2.0**16}  # the "next value" past the largest finite
@@ -134,6 +135,125 @@ def test_stochastic_non_finite_and_overflow(dtype):
     infs = int(torch.isinf(out).sum())
     assert bool(((out == top) | (out == float("inf"))).all())
     assert abs(infs - 2000) <= bernstein_deviation(4000 * 0.25)
+
+
+# -- the noise streams and the chunked passes, bit for bit -------------------------------------------------------------
+
+NAN_PAYLOADS = [0x7F800001, 0x7FBFFFFF, 0x7FFFFFFF, -1, -8323073]  # NaNs whose payload + noise would carry or truncate
+
+
+def many_chunks(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """fp32 values over 2 1/2 of the export's CPU chunks: many scales and both signs, zeros, fp16's subnormal and
+    tiny range, values past the largest finite, and non-finite ones (NaNs with awkward payloads) spread over the
+    chunks, so that every pass meets chunk edges and the non-finite fix-up happens in a later chunk than the first."""
+    g = torch.Generator().manual_seed(seed)
+    n = 2 * _CHUNK + _CHUNK // 2 + 7
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 20, (n,), generator=g).float())
+    x[::997] = 0.0
+    x[1::1009] = -0.0
+    x[2::1013] = torch.finfo(dtype).max * 1.0001
+    x[3::1019] = -torch.finfo(dtype).max * 1.0001
+    x[_CHUNK + 5] = float("inf")
+    x[2 * _CHUNK + 11] = -float("inf")
+    nans = torch.tensor(NAN_PAYLOADS, dtype=torch.int32).view(torch.float32)
+    x[_CHUNK + 100 : _CHUNK + 100 + nans.numel()] = nans
+    return x
+
+
+def sr_reference(x: torch.Tensor, noise: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SR of finite fp32 ``x`` given each element's noise, uniform in [0, 2^bits), as float64 (inf past the top).
+
+    The neighbour away from zero is taken iff ``noise >= 2^bits * (1 - p_away)``: probability ``p_away`` exactly
+    when ``p_away * 2^bits`` is an integer (the noise has enough bits). Neighbours and p come from the grid table.
+    """
+    a, b, p = neighbours(x, dtype)
+    positive = x > 0
+    away, near = torch.where(positive, b, a), torch.where(positive, a, b)
+    p_away = torch.where(positive, p, 1.0 - p)
+    scale = torch.exp2(bits.double())
+    assert bool((p_away * scale == (p_away * scale).round()).all())  # the noise resolves p exactly
+    up = noise.double() >= scale * (1.0 - p_away)
+    top = VIRTUAL_TOP[dtype]
+    value = torch.where(up, away, near)
+    return torch.where(value.abs() == top, torch.copysign(torch.full_like(value, float("inf")), value), value)
+
+
+def test_stochastic_bf16_is_the_reference_given_the_stream():
+    # The documented stream: element k's noise is the k-th torch.randint(0, 2**16) draw of the tensor's generator,
+    # one draw per element whatever the chunking (roundalign.integrations.verl skips ahead in it by element).
+    x = many_chunks(torch.bfloat16, 0)
+    state = ExportState.seeded(21)
+    out = export_bf16(x, "stochastic", state)
+    g = torch.Generator().manual_seed(21)
+    noise = torch.randint(0, 1 << 16, (x.numel(),), generator=g, dtype=torch.int32)
+    assert torch.equal(state.generator.get_state(), g.get_state())  # exactly one word per element taken
+    finite = torch.isfinite(x)
+    want = sr_reference(x[finite], noise[finite], torch.full((int(finite.sum()),), 16), torch.bfloat16)
+    got = out[finite].double()
+    assert torch.equal(got, want) and torch.equal(torch.signbit(out[finite]), torch.signbit(x[finite]))
+    # Non-finite values are served as the plain cast serves them, NaN payloads included (none carried into inf/0).
+    assert torch.equal(out[~finite].isnan(), x[~finite].isnan())
+    assert torch.equal(out[torch.isinf(x)], x[torch.isinf(x)].to(torch.bfloat16))
+    # The shape comes back and a strided master (copied once) is served like its contiguous copy.
+    m = x[: 500 * 600].reshape(500, 600)
+    assert torch.equal(
+        export_bf16(m.t(), "stochastic", ExportState.seeded(4)).view(torch.int16),
+        export_bf16(m.t().contiguous(), "stochastic", ExportState.seeded(4)).view(torch.int16),
+    )
+
+
+def test_stochastic_fp16_is_the_reference_given_the_stream():
+    # fp16's stream: one generator word per element, as torch.randint(0, 2**24) draws it, whose low d bits are its
+    # noise, d = log2 of fp16's spacing over fp32's at x (13 in fp16's normal range, more below 2^-14); then the
+    # exact Bernoulli draws of the values below 2^-24 (not checked here: statistically, elsewhere).
+    x = many_chunks(torch.float16, 1)
+    x = torch.where(x.abs() < 2.0**-26, x * 2.0**-30, x)  # more values in the tiny range
+    out = export_bf16(x, "stochastic", ExportState.seeded(22), torch.float16)
+    g = torch.Generator().manual_seed(22)
+    words = torch.randint(0, 1 << 24, (x.numel(),), generator=g, dtype=torch.int32)
+    _, exponent = torch.frexp(x.abs())  # |x| = f * 2^E, f in [1/2, 1): fp32 spacing 2^(E - 24)
+    bits = torch.where(x.abs() < 2.0**-14, -exponent, 13)  # fp16 spacing: 2^-24 below 2^-14, else 2^(E - 11)
+    bits = bits.clamp(max=30)  # a defined shift for the tiny ones (not checked bit for bit)
+    noise = words & ((torch.ones_like(bits) << bits) - 1)
+    tiny = x.abs() < 2.0**-24
+    check = torch.isfinite(x) & (x.abs() < 2.0**16) & ~(tiny & (x != 0))
+    assert int(tiny.sum()) > 100 and int((check & (x.abs() < 2.0**-14)).sum()) > 1000
+    want = sr_reference(x[check], noise[check], bits[check], torch.float16)
+    assert torch.equal(out[check].double(), want)
+    assert torch.equal(torch.signbit(out[check | tiny]), torch.signbit(x[check | tiny]))
+    a, b, _ = neighbours(x[tiny], torch.float16)
+    assert bool(((out[tiny].double() == a) | (out[tiny].double() == b)).all())
+    over = torch.isfinite(x) & (x.abs() >= 2.0**16)
+    assert torch.equal(out[over], x[over].to(torch.float16))  # +-inf: past the virtual top
+    assert torch.equal(out[~torch.isfinite(x)].isnan(), x[~torch.isfinite(x)].isnan())
+
+
+@pytest.mark.parametrize("dtype", EXPORT_DTYPES, ids=str)
+def test_error_feedback_over_many_chunks_is_the_formula(dtype):
+    x = many_chunks(dtype, 2)
+    state, residual = ExportState(), None
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        master = x + step * 2.0**-12 * torch.randn(x.shape, generator=g) * x.abs()
+        v = master.clone() if residual is None else master + residual  # the first v is the master, -0 included
+        served = export_bf16(master, "error-feedback", state, dtype)
+        want = v.to(dtype)
+        nan = want.isnan()
+        assert torch.equal(served.isnan(), nan) and torch.equal(
+            served[~nan].view(torch.int16), want[~nan].view(torch.int16)
+        )
+        finite = torch.isfinite(want)
+        residual = torch.where(finite, v - want.float(), torch.zeros_like(v))  # reset where served is not finite
+        assert torch.equal(state.residual.view(torch.int32), residual.view(torch.int32))
+    # A strided master and a strided residual in the state: the same exports as contiguous ones.
+    m = x[: 500 * 600].reshape(500, 600)
+    one, two = ExportState(residual=torch.zeros(500, 600).t()), ExportState(residual=torch.zeros(600, 500))
+    for _ in range(2):
+        assert torch.equal(
+            export_bf16(m.t(), "error-feedback", one, dtype).view(torch.int16),
+            export_bf16(m.t().contiguous(), "error-feedback", two, dtype).view(torch.int16),
+        )
+    assert torch.equal(one.residual.view(torch.int32), two.residual.view(torch.int32))
 
 
 @pytest.mark.parametrize("dtype", EXPORT_DTYPES, ids=str)

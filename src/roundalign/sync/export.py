@@ -24,6 +24,17 @@ its residual is reset to zero.
 
 ``Exporter`` applies one sync mode to a whole HF-named state_dict each step, with per-tensor state seeded from
 ``(seed, name)`` by SHA-256, so exports do not depend on dict order or ``PYTHONHASHSEED``.
+
+Cost (docs/sync.md, Cost, has the figures). Each mode is a handful of in-place element-wise passes; on the CPU they
+run chunk by chunk (``_CHUNK`` elements), so that every pass after the first reads from cache, into the output and
+a few scratch buffers allocated once per tensor. Chunking changes no bit: every element's result depends only on
+its own value and its own noise. What remains beyond the cast is inherent to each mode:
+
+- SR: the noise, one 32-bit Mersenne Twister word per element from the tensor's CPU generator, element k taking the
+  k-th word. That stream is part of the contract (``roundalign.integrations.verl`` exports FSDP shards by skipping
+  ahead in it by element count), and drawing it is most of SR's time.
+- EF: the fp32 residual, read and written once per export, more than doubles the memory traffic of the cast
+  (14 bytes per element against 6).
 """
 
 from __future__ import annotations
@@ -81,12 +92,45 @@ def _check_master(master: torch.Tensor, what: str = "master") -> None:
         )
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    """Whether every element is finite, in one fast reduction (NaN propagates through min/max; isfinite is slow)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+_CHUNK = 1 << 17  # elements per pass on the CPU: a chunk's fp32/int32 buffers (512 KiB each) stay in cache
+
+
+def _chunk(numel: int, device: torch.device) -> int:
+    """How many elements each pass takes at a time: cache-sized on the CPU, the whole tensor elsewhere.
+
+    Every mode is a few element-wise passes. Over a whole large tensor each pass would stream it from memory again;
+    chunk by chunk (``tensor.split(_chunk(...))``: views, made in one call), the later passes read what the first
+    left in cache and the scratch buffers are allocated once. A GPU runs each pass as one kernel, where chunking
+    would only add launches.
+    """
+    return max(1, min(numel, _CHUNK if device.type == "cpu" else numel))
+
+
+def _all_finite(minmax: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether every chunk whose ``torch.aminmax`` is listed was all finite: one sync for the whole tensor.
+
+    aminmax is one read of a chunk while it is in cache; NaN propagates through min and max, and an inf shows in
+    one of them (``isfinite`` would write a mask per element).
+    """
+    return bool(torch.isfinite(torch.stack([x for pair in minmax for x in pair])).all())
+
+
+def _flat(master: torch.Tensor) -> torch.Tensor:
+    return master.reshape(-1)  # a view for a contiguous master (the usual case), else one copy
+
+
+def _take_noise(words: torch.Tensor, bits: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Fill int32 CPU ``words`` with one generator word per element, keep the low ``bits``: uniform in [0, 2^bits).
+
+    ``random_()`` on int32 takes one 32-bit Mersenne Twister word per element, as ``torch.randint(0, 2**bits)`` does
+    for ``bits <= 24`` (its value is the word modulo ``2**bits``; randint draws differently from ``2**30`` up), and
+    keeps 31 of its bits: the same low ``bits`` from the same stream position, so the noise (and each element's
+    place in the stream, which ``roundalign.integrations.verl`` skips ahead by) is randint's, for less (randint pays
+    a 64-bit modulo per element: 9 against 5.5 ns an element here). tests/test_sync_export.py pins this. The
+    generator's word rate is what stochastic export costs beyond the cast (docs/sync.md, Cost).
+    """
+    words.random_(generator=generator).bitwise_and_((1 << bits) - 1)
+    return words if device.type == "cpu" else words.to(device)  # GPU master: noise crosses to it (untested here)
 
 
 def _uniform_bits(numel: int, bits: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -95,19 +139,34 @@ def _uniform_bits(numel: int, bits: int, generator: torch.Generator, device: tor
     return noise.to(device)
 
 
+def _restore_non_finite(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """Non-finite masters are served as the plain cast serves them (inf + noise stays inf; a NaN's might not)."""
+    bad = ~torch.isfinite(flat)
+    out[bad] = flat[bad].to(out.dtype)
+
+
 def _stochastic_bf16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # bf16 is the top 16 bits of fp32. Adding a uniform integer in [0, 2^16) to the low 16 bits carries into bit 16
     # with probability exactly low16 / 2^16 = (|x| - a) / (b - a); truncating then gives b on a carry, a otherwise.
     # fp32 is sign-magnitude, so on the int32 view the same add moves a negative value away from zero, and a carry
     # into the exponent lands on the next binade's first value (or inf past the largest finite), which is right.
-    flat = master.reshape(-1)
-    noise = _uniform_bits(flat.numel(), 16, generator, master.device)
-    # In place on the noise buffer (this is a memory-bound pass): bits + noise, then clear the low 16 bits.
-    rounded = noise.add_(flat.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)  # on the bf16 grid
-    # inf + noise would stay inf, but a NaN's payload could carry into the sign bit: non-finite values take the cast.
-    if not _all_finite(flat):
-        rounded = torch.where(torch.isfinite(flat), rounded, flat)
-    return rounded.to(torch.bfloat16).reshape(master.shape)  # exact: every finite value is already on the bf16 grid
+    flat = _flat(master)
+    if not flat.numel():
+        return master.to(torch.bfloat16)  # nothing to draw
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=master.device)
+    size = _chunk(flat.numel(), master.device)
+    words = torch.empty(size, dtype=torch.int32)  # on the CPU: the generator's side
+    minmax = []
+    for chunk, bits, served in zip(
+        flat.split(size), flat.view(torch.int32).split(size), out.view(torch.int16).split(size), strict=True
+    ):
+        noise = _take_noise(words[: chunk.numel()], 16, generator, master.device)
+        noise.add_(bits)  # the stochastic rounding point: bits + noise, in place on the noise
+        served.copy_(noise.bitwise_right_shift_(16))  # truncation: the bf16 is the top half (int32 -> int16)
+        minmax.append(torch.aminmax(chunk))
+    if not _all_finite(minmax):  # a NaN's payload + noise can carry into the exponent or the sign
+        _restore_non_finite(flat, out)
+    return out.reshape(master.shape)
 
 
 def _bernoulli_dyadic(y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -129,35 +188,58 @@ def _bernoulli_dyadic(y: torch.Tensor, generator: torch.Generator) -> torch.Tens
     return accept
 
 
+def _tiny(bits: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """The indices, in order, of the fp32 values (int32 ``bits``) with ``0 < |x| < 2^-24``: fp16's tiny range.
+
+    They are few, and a comparison that writes a bool per element is slow on the CPU (as slow as ten int32 passes),
+    so an int32 key's minimum per block of ``block`` elements first finds the blocks that hold one.
+    """
+    key = (bits - 1).bitwise_and_(0x7FFFFFFF)  # |x| - 1 as an int; +0 and -0 map to the top instead of -1
+    whole = key.numel() // block * block
+    found = (key[:whole].view(-1, block).amin(1) < 0x337FFFFF).nonzero().squeeze(1).tolist()  # 2^-24 = 0x33800000
+    pieces = [(key[b * block : (b + 1) * block] < 0x337FFFFF).nonzero().squeeze(1) + b * block for b in found]
+    pieces.append((key[whole:] < 0x337FFFFF).nonzero().squeeze(1) + whole)
+    return torch.cat(pieces)
+
+
 def _stochastic_fp16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on |x| in fp32
-    # bits: drop d low bits by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16, with d = 13 in
-    # fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and d = 13 + (-14 - e) below it
-    # (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the neighbours are 0 and 2^-24
-    # and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
-    flat = master.reshape(-1)
-    mag = flat.abs()
-    bits = mag.view(torch.int32)
-    noise = _uniform_bits(flat.numel(), 13, generator, master.device)
-    rounded = noise.add_(bits).bitwise_and_(-8192).view(torch.float32)  # the normal range: every element, in place
-    # |x| < 2^-14 (bit patterns of non-negative floats sort as ints): redone on their own; few elements in a model.
-    small = (bits < 0x38800000).nonzero().squeeze(1)
-    if small.numel():
-        small_bits = bits[small]
-        # d = 13 + (-14 - e) with e = (bits >> 23) - 127; capped at 23 to keep the shift in range (the capped ones,
-        # tiny or zero, are redrawn below or stay 0).
-        drop = (126 - (small_bits >> 23)).clamp_(max=23)
-        low_mask = (torch.ones_like(drop) << drop) - 1
-        small_noise = _uniform_bits(small.numel(), 23, generator, master.device) & low_mask  # uniform in [0, 2^d)
-        rounded[small] = ((small_bits + small_noise) & ~low_mask).view(torch.float32)
-        tiny = small[(small_bits > 0) & (small_bits < 0x33800000)]  # 0 < |x| < 2^-24
-        if tiny.numel():
-            up = _bernoulli_dyadic(mag[tiny] * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
-            rounded[tiny] = torch.where(up, 2.0**-24, 0.0)
-    rounded = torch.copysign(rounded, flat)  # sign back (also -0 for a negative value that rounds to 0)
-    if not _all_finite(flat):
-        rounded = torch.where(torch.isfinite(flat), rounded, flat)
-    return rounded.to(torch.float16).reshape(master.shape)  # exact on the grid; 2^16 and above -> inf
+    # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on fp32 bits:
+    # drop d low bits by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16 (sign-magnitude again),
+    # with d = 13 in fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and
+    # d = 13 + (-14 - e) below it (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the
+    # neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
+    # The draws: one word per element, whose low d bits are its noise, then the Bernoulli words of the tiny ones in
+    # index order, after the main pass.
+    flat = _flat(master)
+    if not flat.numel():
+        return master.to(torch.float16)  # nothing to draw
+    out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
+    size = _chunk(flat.numel(), master.device)
+    words = torch.empty(size, dtype=torch.int32)
+    scratch = torch.empty(size, dtype=torch.int32, device=master.device)  # exponents, then the low-bit masks
+    top = torch.tensor([1 << 23], dtype=torch.int32, device=master.device)
+    exponents = []  # per chunk: the least and largest biased fp32 exponent
+    for chunk_bits, served in zip(flat.view(torch.int32).split(size), out.split(size), strict=True):
+        n = chunk_bits.numel()
+        noise = _take_noise(words[:n], 23, generator, master.device)  # d <= 23 bits of it are used
+        e = torch.bitwise_right_shift(chunk_bits, 23, out=scratch[:n]).bitwise_and_(0xFF)  # biased exponent of |x|
+        exponents.append(torch.aminmax(e))  # 255: inf/nan; below 103: zero or |x| < 2^-24
+        # 2^d = 2^(126 - e) for e in [103, 113] (2^-24 <= |x| < 2^-14), 2^13 above, 2^23 below: 2^23 >> (e - 103).
+        low = torch.bitwise_right_shift(top, e.clamp_(103, 113).sub_(103), out=e).sub_(1)  # the low d bits
+        noise.bitwise_and_(low).add_(chunk_bits)  # uniform in [0, 2^d), added below fp16's grid point
+        rounded = noise.bitwise_or_(low).bitwise_xor_(low).view(torch.float32)  # truncation: the rounding point
+        served.copy_(rounded)  # exact on fp16's grid; 2^16 and above -> inf
+    lo, hi = torch.stack([torch.stack(pair) for pair in exponents]).unbind(1)
+    bits = flat.view(torch.int32)
+    tiny = [_tiny(bits[i * size : (i + 1) * size]) + i * size for i in (lo < 103).nonzero().squeeze(1).tolist()]
+    tiny = torch.cat(tiny) if tiny else torch.zeros(0, dtype=torch.int64, device=master.device)
+    if tiny.numel():
+        up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
+        # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
+        out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
+    if bool((hi == 255).any()):  # a NaN's payload + noise can carry into the exponent or the sign
+        _restore_non_finite(flat, out)
+    return out.reshape(master.shape)
 
 
 def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype) -> torch.Tensor:
@@ -172,18 +254,30 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
             )
         if residual.device != master.device:
             raise ValueError(f"ExportState.residual is on {residual.device} but the master is on {master.device}")
-    # In place in the state's residual buffer (the state owns it): one fp32 tensor the size of the master, not three.
-    # fp32 addition is commutative, so residual + master is fl32(master + residual), the one rounding of the law.
-    v = master.clone() if residual is None else residual.add_(master)
-    served = v.to(dtype)  # RNE
-    # v - served is exact in fp32 (Sterbenz: served is within half a target ulp of v); the bf16/fp16 operand is
-    # promoted exactly. Where served is not finite (overflow, inf/nan master) no finite residual can carry the
-    # difference: restart that weight from zero.
-    v.sub_(served)
-    if not _all_finite(served):
-        v.masked_fill_(~torch.isfinite(served), 0.0)
-    state.residual = v
-    return served
+        residual = residual.contiguous()  # the state's own buffer, updated in place (a strided one is copied once)
+    else:
+        residual = torch.empty(
+            master.shape, dtype=torch.float32, device=master.device
+        )  # zeros: v = master, sign of zero included
+    flat, v = _flat(master), residual.view(-1)
+    out = torch.empty(flat.numel(), dtype=dtype, device=master.device)
+    size = _chunk(flat.numel(), master.device)
+    # The served chunk widened back to fp32 (exact), so that the subtraction is fp32 - fp32: a mixed-dtype operand
+    # takes torch's slower casting loop. Not needed where the whole tensor is one piece (a GPU).
+    wide = torch.empty(size, dtype=torch.float32) if master.device.type == "cpu" else None
+    for m, vc, served in zip(flat.split(size), v.split(size), out.split(size), strict=True):
+        if state.residual is None:
+            vc.copy_(m)
+        else:
+            vc.add_(m)  # v = fl32(residual + master) = fl32(master + residual), the law's one rounding
+        served.copy_(vc)  # served = r(v), RNE: the rounding point
+        # residual = v - served, exact in fp32 (Sterbenz: served is within half a target ulp of v).
+        vc.sub_(served if wide is None else wide[: vc.numel()].copy_(served))
+        # Where served is not finite (overflow, inf/nan master) no finite residual can carry the difference: restart
+        # that weight from zero. The residual is non-finite exactly there (finite - inf = -inf; inf - inf, nan: nan).
+        vc.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    state.residual = residual
+    return out.reshape(master.shape)
 
 
 def export_bf16(
