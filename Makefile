@@ -59,17 +59,19 @@ test: $(STAMP) $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/roundalign probe --out probe-out
 
-# The benchmark suite (issue 6): per-op and model-level cost of alignment against stock HF, as ratios measured in
-# the same run. Writes the tables into docs/benchmarks.md and the raw JSON into docs/benchmarks/. About 15 minutes
-# on a 2-core CPU; run it on an idle machine.
-# The exact trainer's cost (vLLM's kernels in the trainer) runs in .venv-vllm, where vLLM's ops load; its table goes
-# to the terminal and docs/benchmarks/exact.json (docs/kernels.md, "What it costs", records it).
+# The benchmark suite (issues 6 and 18): per-op and model-level cost of alignment against stock HF, as ratios
+# measured in the same run, the ops' first-use compile time (cold and warm), and the exact trainer's cost (vLLM's
+# kernels in the trainer, run in .venv-vllm where vLLM's ops load). Writes the tables into docs/benchmarks.md and
+# the raw JSON into docs/benchmarks/. About an hour on a 2-core CPU without native bf16 GEMMs (the exact trainer's
+# suite is most of it); run it on an idle machine.
 bench: $(STAMP) $(VLLM_STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	$(PY) benchmarks/ops.py --json "$$tmp/ops.json" && \
 	$(PY) benchmarks/model_step.py --json "$$tmp/model.json" && \
-	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --out docs/benchmarks.md && \
-	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/exact_step.py --json docs/benchmarks/exact.json
+	$(PY) benchmarks/compile_time.py --json "$$tmp/compile.json" && \
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/exact_step.py --json "$$tmp/exact.json" && \
+	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --compile-time "$$tmp/compile.json" \
+	  --exact "$$tmp/exact.json" --out docs/benchmarks.md
 
 # ruff is pinned in the [dev] extra: another ruff version may format the same code differently.
 lint: $(STAMP)

@@ -13,7 +13,7 @@ The four regions whose rounding points a profile sets, at Qwen3-0.6B and Qwen3-8
 - ``swiglu``: ``Qwen3MLP.act_fn(gate) * up`` (HF's MLP minus its projections) against ``ops.swiglu``.
 
 Every aligned variant also runs as ``<rule>+compile_ops``: the op's Inductor-fused variant (``compiled=True``,
-what ``roundalign.apply(..., compile_ops=True)`` uses), bitwise equal to the eager op.
+what ``roundalign.apply`` uses by default), bitwise equal to the eager op.
 
 Each is timed forward (under ``no_grad``) and forward+backward (against fixed random output grads), eager and
 ``torch.compile``'d (Inductor; the same Python callable is compiled for stock and aligned, one fresh compile per
