@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs the eager ops unless a test asks for the fused kernels (apply's default, issue 18): the fused
+# kernels' own tests (test_ops_compiled, test_ops_fused, test_ops_in_graph) check them bitwise against the eager ops
+# and set this themselves, while compiling them in every other test's process (CLI runs, DDP ranks, trainers)
+# would add minutes to CI for numerics that are the same bits.
+os.environ.setdefault("ROUNDALIGN_COMPILE_OPS", "0")
+
 # Make tests/helpers.py and tests/formulas.py importable whatever pytest's import mode is.
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:

@@ -89,6 +89,7 @@ def test_layouts_views_slices_and_empty_inputs():
 def test_default_falls_back_to_the_eager_ops_with_one_warning(monkeypatch):
     ids = token_ids(length=9)
     reference = roundalign.apply(build("qwen3"), "vllm", compile_ops=False)
+    monkeypatch.setenv(_fused.ENV, "1")  # apply's own default (the suite's conftest turns it off elsewhere)
     monkeypatch.setitem(_fused._available, "cpu", "no C++ compiler for Inductor on the CPU (test)")
     monkeypatch.setattr(_fused, "_warned", set())
     with pytest.warns(RuntimeWarning, match="running the eager ops: no C\\+\\+ compiler"):
