@@ -87,3 +87,12 @@ if __name__ == "__main__":
             if k in os.environ
         )
     )
+
+
+def write_json(path: str | None, data: dict) -> None:
+    """Write a suite's ``{suite, machine, ...}`` to ``path`` (``--json``), making its folder; no path, no file."""
+    if path:
+        import json
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")

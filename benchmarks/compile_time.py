@@ -76,7 +76,7 @@ def run(model_name: str, profile: str, cache: str, threads: int | None) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(HERE))
-    from _machine import machine_info
+    from _machine import machine_info, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-qwen3", help="a model of benchmarks/model_step.py (default tiny-qwen3)")
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     result = {"suite": "compile_time", "machine": machine, "model": args.model, "profile": args.profile,
               "cold": cold, "warm": warm}  # fmt: skip
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return result
 
 

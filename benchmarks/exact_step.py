@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import transformers
-from _machine import machine_info
+from _machine import machine_info, write_json
 from model_step import MODELS, build_model, measure_peak
 
 import roundalign
@@ -167,9 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.extend(run_case(name, batch, seq, args.rounds or rounds, args.seed, profiles))
         print(format_table(rows), flush=True)  # after each case: a long suite shows what it has
     result = {"suite": "exact", "machine": machine, "results": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -43,15 +43,13 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import transformers
-from _machine import machine_info
+from _machine import machine_info, write_json
 
 import roundalign
 
@@ -312,9 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.nn.functional.linear = _LINEAR  # the stand-in, if any, ends with the suite (tests run it in-process)
     print(format_table(rows))
     result = {"suite": "model", "machine": machine, "results": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return result
 
 

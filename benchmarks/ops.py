@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
-from _machine import machine_info
+from _machine import machine_info, write_json
 from model_step import measure_peak
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
@@ -375,7 +373,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_ratios(rows)
     print_table(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"suite": "ops", "machine": info, "results": rows}, indent=1) + "\n")
+        write_json(args.json, {"suite": "ops", "machine": info, "results": rows})
         print(f"wrote {args.json}")
     return rows
 
