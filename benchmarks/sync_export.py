@@ -27,7 +27,7 @@ import time
 import torch
 from _machine import machine_info
 
-from roundalign.sync import MODES, Exporter, UpdateTracker
+from roundalign.sync import MODES, Exporter, UpdateTracker, _native
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -126,6 +126,9 @@ def main() -> None:
     info = machine_info()
     print(f"args: {vars(args)}")
     print(f"machine: {info['cpu']}, {info['torch_threads']} torch threads, torch {info['torch']}, {info['date']}")
+    # Which export path runs: the compiled one-pass kernels, or the torch formulas where they cannot be built.
+    info["sync_kernels"] = "compiled" if _native.kernels() is not None else f"torch formulas: {_native._state['why']}"
+    print(f"export kernels: {info['sync_kernels']}")
     loaders = {"tiny": tiny_master, "0.5b": lambda: qwen25_05b_master(args.seed)}
     results = {}
     for name in args.sets.split(","):

@@ -9,6 +9,7 @@ fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -35,6 +36,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args) -> Non
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    faulthandler.enable()  # a rank that crashes in native code prints its Python stack (pytest shows the stderr)
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -204,3 +204,48 @@ def qk_norm_then_rope(q, w, eps, qk_rule, cos, sin, rounding):
     """Qwen3 q/k norm over head_dim of q (B, T, H, D), then RoPE on (B, H, T, D); returns (B, H, T, D) bf16."""
     normed = RMS_NORM[qk_rule](q, w, eps)
     return rope(normed.transpose(1, 2), cos, sin, rounding)
+
+
+# -- Fair Cast's noise stream (docs/sync.md, "The noise stream"), written from Threefry's definition in numpy ---------
+
+
+def threefry2x32(key: int, c0, c1: int):
+    """Threefry-2x32-20 (Salmon et al., SC'11) of counters ``(c0, c1)`` under 64-bit ``key``, in numpy uint32 (whose
+    arithmetic wraps by definition). Checked against Random123's known answers in tests/test_sync_noise.py."""
+    import numpy as np
+
+    rot = (13, 15, 26, 6, 17, 29, 16, 24)
+    k = [np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)]
+    k.append(k[0] ^ k[1] ^ np.uint32(0x1BD11BDA))
+    x0 = np.asarray(c0, dtype=np.uint32) + k[0]
+    x1 = np.full_like(x0, np.uint32(c1)) + k[1]
+    for r in range(20):
+        x0 = x0 + x1
+        x1 = (x1 << np.uint32(rot[r % 8])) | (x1 >> np.uint32(32 - rot[r % 8]))
+        x1 = x1 ^ x0
+        if r % 4 == 3:
+            i = r // 4 + 1
+            x0 = x0 + k[i % 3]
+            x1 = x1 + k[(i + 1) % 3] + np.uint32(i)
+    return x0, x1
+
+
+def sr_noise_bf16(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """bf16 SR noise of elements ``g``: 16-bit part ``(g >> 3) & 3`` of block ``8 * (g >> 5) + (g & 7)`` at counter
+    high word ``2 * step`` (parts: x0 low, x0 high, x1 low, x1 high), as int64."""
+    import numpy as np
+
+    g = elements.numpy().astype(np.uint64)
+    x0, x1 = threefry2x32(key, (8 * (g >> 5) + (g & 7)).astype(np.uint32), 2 * step)
+    part = (g >> 3) & 3
+    word = np.where(part >= 2, x1, x0)
+    return torch.from_numpy(np.where(part % 2 == 1, word >> 16, word & 0xFFFF).astype(np.int64))
+
+
+def noise_words(key: int, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """32-bit words ``w`` of stream ``stream``: x0 (w even) or x1 (odd) of block ``w >> 1`` at ``2 * step + stream``."""
+    import numpy as np
+
+    w = index.numpy().astype(np.uint64)
+    x0, x1 = threefry2x32(key, (w >> 1).astype(np.uint32), 2 * step + stream)
+    return torch.from_numpy(np.where(w & 1, x1, x0).astype(np.int64))

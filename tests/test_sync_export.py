@@ -21,6 +21,7 @@ import torch
 
 from roundalign.sync import EXPORT_DTYPES, MODES, Exporter, ExportState, export_bf16
 from roundalign.sync.export import _CHUNK
+from tests import formulas
 
 DELTA = 1e-9  # false-failure probability allowed per statistical check
 VIRTUAL_TOP = {torch.bfloat16: 2.0**128, torch.float16: 2.0**16}  # the "next value" past the largest finite
@@ -178,15 +179,30 @@ def sr_reference(x: torch.Tensor, noise: torch.Tensor, bits: torch.Tensor, dtype
     return torch.where(value.abs() == top, torch.copysign(torch.full_like(value, float("inf")), value), value)
 
 
-def test_stochastic_bf16_is_the_reference_given_the_stream():
-    # The documented stream: element k's noise is the k-th torch.randint(0, 2**16) draw of the tensor's generator,
-    # one draw per element whatever the chunking (roundalign.integrations.verl skips ahead in it by element).
+@pytest.fixture(params=["kernels", "torch"])
+def sync_path(request, monkeypatch):
+    """Each stream test runs twice: with the compiled CPU kernels (required here: the suite's machines have gcc) and
+    with the torch formulas that run where no compiler is found and on GPUs."""
+    from roundalign.sync import _native
+
+    monkeypatch.setattr(_native, "_state", {})
+    if request.param == "torch":
+        monkeypatch.setenv(_native.ENV, "0")
+    else:
+        monkeypatch.delenv(_native.ENV, raising=False)
+        assert _native.kernels() is not None, _native._state.get("why")
+    return request.param
+
+
+def test_stochastic_bf16_is_the_reference_given_the_stream(sync_path):
+    # The documented stream (formulas.sr_noise_bf16, numpy from Threefry's definition): element g's noise depends on
+    # (key, step, g) alone, whatever the chunking and threading; each export is a new step.
     x = many_chunks(torch.bfloat16, 0)
     state = ExportState.seeded(21)
-    out = export_bf16(x, "stochastic", state)
-    g = torch.Generator().manual_seed(21)
-    noise = torch.randint(0, 1 << 16, (x.numel(),), generator=g, dtype=torch.int32)
-    assert torch.equal(state.generator.get_state(), g.get_state())  # exactly one word per element taken
+    export_bf16(x, "stochastic", state)  # step 0
+    out = export_bf16(x, "stochastic", state)  # step 1: fresh noise
+    assert state.step == 2
+    noise = formulas.sr_noise_bf16(21, 1, torch.arange(x.numel()))
     finite = torch.isfinite(x)
     want = sr_reference(x[finite], noise[finite], torch.full((int(finite.sum()),), 16), torch.bfloat16)
     got = out[finite].double()
@@ -202,15 +218,14 @@ def test_stochastic_bf16_is_the_reference_given_the_stream():
     )
 
 
-def test_stochastic_fp16_is_the_reference_given_the_stream():
-    # fp16's stream: one generator word per element, as torch.randint(0, 2**24) draws it, whose low d bits are its
-    # noise, d = log2 of fp16's spacing over fp32's at x (13 in fp16's normal range, more below 2^-14); then the
-    # exact Bernoulli draws of the values below 2^-24 (not checked here: statistically, elsewhere).
+def test_stochastic_fp16_is_the_reference_given_the_stream(sync_path):
+    # fp16's stream: word g of stream 0 for element g, whose low d bits are its noise, d = log2 of fp16's spacing over
+    # fp32's at x (13 in fp16's normal range, more below 2^-14); the exact Bernoulli draws of the values below 2^-24
+    # take stream 1 (checked statistically elsewhere, and for layout independence in test_sync_noise).
     x = many_chunks(torch.float16, 1)
     x = torch.where(x.abs() < 2.0**-26, x * 2.0**-30, x)  # more values in the tiny range
     out = export_bf16(x, "stochastic", ExportState.seeded(22), torch.float16)
-    g = torch.Generator().manual_seed(22)
-    words = torch.randint(0, 1 << 24, (x.numel(),), generator=g, dtype=torch.int32)
+    words = formulas.noise_words(22, 0, 0, torch.arange(x.numel()))
     _, exponent = torch.frexp(x.abs())  # |x| = f * 2^E, f in [1/2, 1): fp32 spacing 2^(E - 24)
     bits = torch.where(x.abs() < 2.0**-14, -exponent, 13)  # fp16 spacing: 2^-24 below 2^-14, else 2^(E - 11)
     bits = bits.clamp(max=30)  # a defined shift for the tiny ones (not checked bit for bit)
@@ -229,7 +244,7 @@ def test_stochastic_fp16_is_the_reference_given_the_stream():
 
 
 @pytest.mark.parametrize("dtype", EXPORT_DTYPES, ids=str)
-def test_error_feedback_over_many_chunks_is_the_formula(dtype):
+def test_error_feedback_over_many_chunks_is_the_formula(dtype, sync_path):
     x = many_chunks(dtype, 2)
     state, residual = ExportState(), None
     g = torch.Generator().manual_seed(3)
@@ -401,6 +416,21 @@ def test_exporter_load_state_dict_checks_its_configuration():
         Exporter().load_state_dict({})
 
 
+def test_exporter_loads_format_1_except_a_stochastic_stream():
+    # Format 1 (before the counter-based noise) kept Mersenne Twister states: a stochastic stream cannot continue, and
+    # says so; error feedback's residuals and RNE's settings did not change and load.
+    masters = _masters(3)
+    ef = Exporter("error-feedback", seed=1)
+    ef.export(masters[0])
+    old = {**ef.state_dict(), "format": 1, "generators": {}}
+    resumed = Exporter("error-feedback", seed=1)
+    resumed.load_state_dict(old)
+    assert _same(resumed.export(masters[1]), ef.export(masters[1]))
+    stochastic = {**Exporter("stochastic", seed=1).state_dict(), "format": 1, "generators": {}}
+    with pytest.raises(ValueError, match="counter-based noise.*start a new Exporter"):
+        Exporter("stochastic", seed=1).load_state_dict(stochastic)
+
+
 # -- bad input --------------------------------------------------------------------------------------------------------
 
 
@@ -419,6 +449,14 @@ def test_export_bad_input_errors():
     for state in (None, ExportState()):
         with pytest.raises(ValueError, match=r"ExportState\.seeded\(seed\)"):
             export_bf16(x, "stochastic", state)
+    for key in (-1, 1 << 64):
+        with pytest.raises(ValueError, match=r"key is an int in \[0, 2\*\*64\)"):
+            ExportState.seeded(key)
+    with pytest.raises(ValueError, match=r"step 2147483648 is outside \[0, 2\*\*31\).*new Exporter"):
+        export_bf16(x, "stochastic", ExportState(key=1, step=1 << 31))
+    for offset in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="offset must be an int >= 0"):
+            export_bf16(x, "stochastic", ExportState.seeded(1), offset=offset)
     with pytest.raises(ValueError, match=r"state=ExportState\(\)"):
         export_bf16(x, "error-feedback")
     with pytest.raises(ValueError, match=r"residual has shape \(5,\) but the master has \(4,\)"):

@@ -5,7 +5,7 @@ param_dtype=bf16)``, ``apply_fsdp2``, ``fsdp2_load_full_state_dict``) once per c
 syncs weights the way the delta checkpoint engine does: a full ``get_per_tensor_param`` seed, verl's own
 ``prime_delta_snapshots``, and after each real ``optimizer_step`` a ``get_per_tensor_param_delta_shard`` diff. Every
 export is checked here, on the rank, against a reference computed from the full fp32 master with
-``roundalign.sync.export_bf16`` and the block seeds written out from the formula in ``docs/verl.md``.
+``roundalign.sync.export_bf16`` at the key and step written out from ``docs/verl.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from roundalign.sync import ExportState, export_bf16, tensor_seed
 from tests.verl_cpu import build_engine, hide_trl_from_verl, use_cpu_platform
 
-BLOCK = 1 << 20  # the documented stochastic block size, written out (not imported from the code under test)
 CONFIGS = ((None, None), ("vllm", None), ("vllm", "stochastic"), ("vllm", "error-feedback"))
 
 
@@ -24,7 +23,7 @@ def token_batch() -> torch.Tensor:
 
 
 def reference_export(full: dict, mode: str | None, seed: int, version: int, ef_states: dict) -> dict:
-    """The served copy of the full fp32 masters at ``version``, from ``export_bf16`` on whole tensors / blocks."""
+    """The served copy of the full fp32 masters at ``version``, from ``export_bf16`` on whole tensors."""
     out = {}
     for name, m in full.items():
         if not m.is_floating_point():
@@ -32,16 +31,7 @@ def reference_export(full: dict, mode: str | None, seed: int, version: int, ef_s
         elif mode is None:
             out[name] = m.to(torch.bfloat16)  # verl's cast
         elif mode == "stochastic":
-            flat = m.reshape(-1)
-            blocks = [
-                export_bf16(
-                    flat[b * BLOCK : (b + 1) * BLOCK],
-                    "stochastic",
-                    ExportState.seeded(tensor_seed(seed, f"{name}@v{version}#{b}")),
-                )
-                for b in range((flat.numel() + BLOCK - 1) // BLOCK)
-            ]
-            out[name] = torch.cat(blocks).reshape(m.shape)
+            out[name] = export_bf16(m, "stochastic", ExportState(key=tensor_seed(seed, name), step=version))
         else:
             out[name] = export_bf16(m, "error-feedback", ef_states.setdefault(name, ExportState()))
     return out

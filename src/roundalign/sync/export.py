@@ -8,7 +8,8 @@ engine samples from a policy that lags the trainer. Fair Cast (Gao & Gao) export
 - ``"rne"``: ``served = r(master)``, the plain cast, as every framework does today.
 - ``"stochastic"``: unbiased stochastic rounding (SR). For ``a < x < b`` adjacent in the target dtype, ``served = b``
   with probability ``(x - a) / (b - a)`` exactly, else ``a``; so ``E[served] = x`` and every update reaches the
-  engine in expectation. The noise comes from a seeded CPU generator per tensor (``ExportState.generator``).
+  engine in expectation. The noise is a counter-based stream per tensor (``noise.py``): a function of the tensor's
+  key, its export count and each element's index.
 - ``"error-feedback"`` (EF): ``v = master + residual``, ``served = r(v)``, ``residual = v - served`` (exact in fp32,
   Sterbenz). What one export drops is added back at the next, so the served copy's running sum tracks the master's
   (sigma-delta modulation); deterministic, with one fp32 residual per weight as state.
@@ -25,16 +26,12 @@ its residual is reset to zero.
 ``Exporter`` applies one sync mode to a whole HF-named state_dict each step, with per-tensor state seeded from
 ``(seed, name)`` by SHA-256, so exports do not depend on dict order or ``PYTHONHASHSEED``.
 
-Cost (docs/sync.md, Cost, has the figures). Each mode is a handful of in-place element-wise passes; on the CPU they
-run chunk by chunk (``_CHUNK`` elements), so that every pass after the first reads from cache, into the output and
-a few scratch buffers allocated once per tensor. Chunking changes no bit: every element's result depends only on
-its own value and its own noise. What remains beyond the cast is inherent to each mode:
-
-- SR: the noise, one 32-bit Mersenne Twister word per element from the tensor's CPU generator, element k taking the
-  k-th word. That stream is part of the contract (``roundalign.integrations.verl`` exports FSDP shards by skipping
-  ahead in it by element count), and drawing it is most of SR's time.
-- EF: the fp32 residual, read and written once per export, more than doubles the memory traffic of the cast
-  (14 bytes per element against 6).
+Cost (docs/sync.md, Cost, has the figures). On the CPU, bf16 SR and bf16 EF are one pass each over the weights in
+compiled kernels (``_native.c``, built at first use): SR computes its noise in the same pass, and costs about what
+the plain cast does. Everywhere else (fp16, GPU masters, a machine without a C compiler) the same arithmetic runs as
+a handful of element-wise torch passes, chunk by chunk on the CPU (``_CHUNK`` elements) so that every pass after the
+first reads from cache. Neither chunking nor threads change a bit: every element's result depends only on its own
+value, its own noise and (EF) its own residual.
 """
 
 from __future__ import annotations
@@ -46,28 +43,29 @@ from dataclasses import dataclass
 import torch
 
 from roundalign.numerics.dtypes import LOW_PRECISION
+from roundalign.sync import _native, noise
 
 MODES = ("rne", "stochastic", "error-feedback")
 EXPORT_DTYPES = LOW_PRECISION  # what a served copy can be
 
-_STATE_FORMAT = 1  # bump when Exporter.state_dict() changes shape
+_STATE_FORMAT = 2  # bump when Exporter.state_dict() changes shape (2: counter-based noise, no generator states)
 
 
 @dataclass
 class ExportState:
     """The per-tensor state of one exported tensor (what its next export depends on besides the master)."""
 
-    generator: torch.Generator | None = None  # stochastic: the seeded CPU generator this tensor's noise comes from
+    key: int | None = None  # stochastic: this tensor's 64-bit noise key (noise.py); ExportState.seeded(seed) sets it
+    step: int = 0  # stochastic: how many exports drew noise so far (each export draws a fresh stream)
     residual: torch.Tensor | None = None  # error-feedback: fp32, the master's part not yet served (updated in place)
 
     @classmethod
     def seeded(cls, seed: int) -> ExportState:
-        """A state with a CPU generator seeded with ``seed`` (what ``export_bf16(..., "stochastic", state)`` needs)."""
+        """A stochastic state with noise key ``seed`` (an int in [0, 2**64)), at step 0."""
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed)
-        return cls(generator=generator)
+        noise.split_key(seed)  # range check, with the error that names it
+        return cls(key=seed)
 
 
 def _check_sync(sync: str) -> None:
@@ -92,97 +90,78 @@ def _check_master(master: torch.Tensor, what: str = "master") -> None:
         )
 
 
-_CHUNK = 1 << 17  # elements per pass on the CPU: a chunk's fp32/int32 buffers (512 KiB each) stay in cache
+_CHUNK = 1 << 17  # elements per pass of the torch formulas on the CPU: a chunk's buffers (512 KiB each) stay in cache
+_FORMULA_CHUNK = 1 << 16  # elements per round of the torch Threefry on the CPU (int64 temporaries stay in cache)
 
 
 def _chunk(numel: int, device: torch.device) -> int:
-    """How many elements each pass takes at a time: cache-sized on the CPU, the whole tensor elsewhere.
-
-    Every mode is a few element-wise passes. Over a whole large tensor each pass would stream it from memory again;
-    chunk by chunk (``tensor.split(_chunk(...))``: views, made in one call), the later passes read what the first
-    left in cache and the scratch buffers are allocated once. A GPU runs each pass as one kernel, where chunking
-    would only add launches.
-    """
+    """How many elements each pass of a torch formula takes at a time: cache-sized on the CPU, the whole tensor
+    elsewhere (a GPU runs each pass as one kernel, where chunking would only add launches)."""
     return max(1, min(numel, _CHUNK if device.type == "cpu" else numel))
-
-
-def _all_finite(minmax: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether every chunk whose ``torch.aminmax`` is listed was all finite: one sync for the whole tensor.
-
-    aminmax is one read of a chunk while it is in cache; NaN propagates through min and max, and an inf shows in
-    one of them (``isfinite`` would write a mask per element).
-    """
-    return bool(torch.isfinite(torch.stack([x for pair in minmax for x in pair])).all())
 
 
 def _flat(master: torch.Tensor) -> torch.Tensor:
     return master.reshape(-1)  # a view for a contiguous master (the usual case), else one copy
 
 
-def _take_noise(words: torch.Tensor, bits: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Fill int32 CPU ``words`` with one generator word per element, keep the low ``bits``: uniform in [0, 2^bits).
-
-    ``random_()`` on int32 takes one 32-bit Mersenne Twister word per element, as ``torch.randint(0, 2**bits)`` does
-    for ``bits <= 24`` (its value is the word modulo ``2**bits``; randint draws differently from ``2**30`` up), and
-    keeps 31 of its bits: the same low ``bits`` from the same stream position, so the noise (and each element's
-    place in the stream, which ``roundalign.integrations.verl`` skips ahead by) is randint's, for less (randint pays
-    a 64-bit modulo per element: 9 against 5.5 ns an element here). tests/test_sync_export.py pins this. The
-    generator's word rate is what stochastic export costs beyond the cast (docs/sync.md, Cost).
-    """
-    words.random_(generator=generator).bitwise_and_((1 << bits) - 1)
-    return words if device.type == "cpu" else words.to(device)  # GPU master: noise crosses to it (untested here)
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels take these tensors (CPU, contiguous) and are built here."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and _native.kernels() is not None
 
 
-def _uniform_bits(numel: int, bits: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``numel`` independent uniform integers in ``[0, 2**bits)`` as int32 (a power-of-two range: exactly uniform)."""
-    noise = torch.randint(0, 1 << bits, (numel,), generator=generator, dtype=torch.int32)
-    return noise.to(device)
+def _restore_nan(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """NaN masters are served as NaN (a NaN's payload + noise could carry into the exponent): in bf16 as 0xFFFF, the
+    bits torch's vectorised CPU cast writes and the compiled kernels write (torch's scalar cast writes 0x7FC0, so
+    "as the cast does" would depend on a tensor's length); in fp16 as the cast does (payload kept, both ways)."""
+    bad = flat.isnan()
+    if bool(bad.any()):
+        if out.dtype == torch.bfloat16:
+            out.view(torch.int16)[bad] = -1
+        else:
+            out[bad] = flat[bad].to(out.dtype)
 
 
-def _restore_non_finite(flat: torch.Tensor, out: torch.Tensor) -> None:
-    """Non-finite masters are served as the plain cast serves them (inf + noise stays inf; a NaN's might not)."""
-    bad = ~torch.isfinite(flat)
-    out[bad] = flat[bad].to(out.dtype)
-
-
-def _stochastic_bf16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _stochastic_bf16(master: torch.Tensor, state: ExportState, offset: int) -> torch.Tensor:
     # bf16 is the top 16 bits of fp32. Adding a uniform integer in [0, 2^16) to the low 16 bits carries into bit 16
     # with probability exactly low16 / 2^16 = (|x| - a) / (b - a); truncating then gives b on a carry, a otherwise.
     # fp32 is sign-magnitude, so on the int32 view the same add moves a negative value away from zero, and a carry
     # into the exponent lands on the next binade's first value (or inf past the largest finite), which is right.
     flat = _flat(master)
-    if not flat.numel():
-        return master.to(torch.bfloat16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=master.device)
-    size = _chunk(flat.numel(), master.device)
-    words = torch.empty(size, dtype=torch.int32)  # on the CPU: the generator's side
-    minmax = []
-    for chunk, bits, served in zip(
-        flat.split(size), flat.view(torch.int32).split(size), out.view(torch.int16).split(size), strict=True
-    ):
-        noise = _take_noise(words[: chunk.numel()], 16, generator, master.device)
-        noise.add_(bits)  # the stochastic rounding point: bits + noise, in place on the noise
-        served.copy_(noise.bitwise_right_shift_(16))  # truncation: the bf16 is the top half (int32 -> int16)
-        minmax.append(torch.aminmax(chunk))
-    if not _all_finite(minmax):  # a NaN's payload + noise can carry into the exponent or the sign
-        _restore_non_finite(flat, out)
+    k0, k1 = noise.split_key(state.key)
+    c1 = noise.counter_hi(state.step, 0)
+    if flat.numel() and _native_ok(flat):
+        lib, src, dst = _native.kernels(), flat.data_ptr(), out.data_ptr()  # one pass, fused: _native.c
+        _native.run(lambda a, b: lib.roundalign_sr_bf16(src + 4 * a, dst + 2 * a, b - a, offset + a, k0, k1, c1),
+                    flat.numel())  # fmt: skip
+        return out.reshape(master.shape)
+    # The same arithmetic in torch ops, chunk by chunk (no compiler, or a GPU master).
+    size = max(1, min(flat.numel(), _FORMULA_CHUNK if master.device.type == "cpu" else 1 << 24))
+    pieces = zip(flat.view(torch.int32).split(size), out.view(torch.int16).split(size), strict=True)
+    for i, (bits, served) in enumerate(pieces):
+        first = offset + i * size
+        wide = bits.to(torch.int64) & noise.MASK  # the fp32 bits as an unsigned value
+        wide += noise.bf16_noise(state.key, state.step, first, bits.numel(), master.device)  # the rounding point
+        served.copy_(((wide >> 16) & 0xFFFF).to(torch.int32).to(torch.int16))  # truncation: the top half
+    _restore_nan(flat, out)
     return out.reshape(master.shape)
 
 
-def _bernoulli_dyadic(y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _bernoulli_dyadic(y: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """One exact Bernoulli(y) draw per element of fp32 ``y`` in (0, 1), however many bits y's fraction has.
 
     ``y = M * 2^(E - 24)`` with a 24-bit integer ``M`` (frexp), ``E <= 0``. ``Bernoulli(M / 2^24)`` and
     ``Bernoulli(2^E)`` (``-E`` fair coin flips all coming up 0) are independent, and their AND has probability
-    ``y`` exactly. ``-E <= 124`` for fp32 inputs, so four 31-bit words cover the flips.
+    ``y`` exactly. ``-E <= 124`` for fp32 inputs, so four 31-bit words cover the flips. ``draws`` holds five uniform
+    32-bit words per element (int64, shape ``(n, 5)``): the low 24 bits of the first, the low 31 of the others.
     """
     mantissa, exponent = torch.frexp(y)
     m = (mantissa * 16777216.0).to(torch.int64)  # exact: mantissa has 24 significant bits
-    accept = _uniform_bits(y.numel(), 24, generator, y.device).to(torch.int64) < m
+    accept = (draws[:, 0] & 0xFFFFFF) < m
     flips = (-exponent).to(torch.int64)  # zero bits still required
-    for _ in range(4):
+    for j in range(1, 5):
         take = flips.clamp(max=31)
-        word = _uniform_bits(y.numel(), 31, generator, y.device).to(torch.int64)
+        word = draws[:, j] & 0x7FFFFFFF
         accept &= (word >> (31 - take)) == 0  # the top `take` bits of the word are all zero
         flips = flips - take
     return accept
@@ -202,49 +181,63 @@ def _tiny(bits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _stochastic_fp16(master: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _fp16_words(state: ExportState, first: int, into: torch.Tensor) -> torch.Tensor:
+    """Fill int32 ``into`` with words ``first ..`` of stream 0 (one per element): compiled on the CPU, else torch."""
+    if _native_ok(into):
+        k0, k1 = noise.split_key(state.key)
+        lib, dst, c1 = _native.kernels(), into.data_ptr(), noise.counter_hi(state.step, 0)
+        lib.roundalign_words(dst, into.numel(), first, k0, k1, c1)
+        return into
+    index = torch.arange(first, first + into.numel(), dtype=torch.int64, device=into.device)
+    return into.copy_(noise.words(state.key, state.step, 0, index).to(torch.int32))  # wraps to int32's bits
+
+
+def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> torch.Tensor:
     # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on fp32 bits:
     # drop d low bits by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16 (sign-magnitude again),
     # with d = 13 in fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and
     # d = 13 + (-14 - e) below it (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the
     # neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
-    # The draws: one word per element, whose low d bits are its noise, then the Bernoulli words of the tiny ones in
-    # index order, after the main pass.
+    # The draws (noise.py): element g's word g of stream 0, whose low d bits are its noise; a tiny element g's
+    # Bernoulli takes words 8g .. 8g + 4 of stream 1. Both depend on g alone, so shards export as the whole does.
     flat = _flat(master)
     if not flat.numel():
         return master.to(torch.float16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
     size = _chunk(flat.numel(), master.device)
-    words = torch.empty(size, dtype=torch.int32)
+    words = torch.empty(size, dtype=torch.int32, device=master.device)
     scratch = torch.empty(size, dtype=torch.int32, device=master.device)  # exponents, then the low-bit masks
     top = torch.tensor([1 << 23], dtype=torch.int32, device=master.device)
     exponents = []  # per chunk: the least and largest biased fp32 exponent
-    for chunk_bits, served in zip(flat.view(torch.int32).split(size), out.split(size), strict=True):
+    for i, (chunk_bits, served) in enumerate(zip(flat.view(torch.int32).split(size), out.split(size), strict=True)):
         n = chunk_bits.numel()
-        noise = _take_noise(words[:n], 23, generator, master.device)  # d <= 23 bits of it are used
+        noise_words = _fp16_words(state, offset + i * size, words[:n])
         e = torch.bitwise_right_shift(chunk_bits, 23, out=scratch[:n]).bitwise_and_(0xFF)  # biased exponent of |x|
         exponents.append(torch.aminmax(e))  # 255: inf/nan; below 103: zero or |x| < 2^-24
         # 2^d = 2^(126 - e) for e in [103, 113] (2^-24 <= |x| < 2^-14), 2^13 above, 2^23 below: 2^23 >> (e - 103).
         low = torch.bitwise_right_shift(top, e.clamp_(103, 113).sub_(103), out=e).sub_(1)  # the low d bits
-        noise.bitwise_and_(low).add_(chunk_bits)  # uniform in [0, 2^d), added below fp16's grid point
-        rounded = noise.bitwise_or_(low).bitwise_xor_(low).view(torch.float32)  # truncation: the rounding point
+        noise_words.bitwise_and_(low).add_(chunk_bits)  # uniform in [0, 2^d), added below fp16's grid point
+        rounded = noise_words.bitwise_or_(low).bitwise_xor_(low).view(torch.float32)  # truncation: the rounding point
         served.copy_(rounded)  # exact on fp16's grid; 2^16 and above -> inf
     lo, hi = torch.stack([torch.stack(pair) for pair in exponents]).unbind(1)
     bits = flat.view(torch.int32)
     tiny = [_tiny(bits[i * size : (i + 1) * size]) + i * size for i in (lo < 103).nonzero().squeeze(1).tolist()]
     tiny = torch.cat(tiny) if tiny else torch.zeros(0, dtype=torch.int64, device=master.device)
     if tiny.numel():
-        up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, generator)  # exact: a power-of-two scale, no overflow
+        index = (8 * (tiny + offset)).unsqueeze(1) + torch.arange(5, device=master.device)  # words 8g .. 8g + 4
+        draws = noise.words(state.key, state.step, 1, index.reshape(-1)).view(-1, 5)
+        up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
         # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
         out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
     if bool((hi == 255).any()):  # a NaN's payload + noise can carry into the exponent or the sign
-        _restore_non_finite(flat, out)
+        _restore_nan(flat, out)
     return out.reshape(master.shape)
 
 
 def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype) -> torch.Tensor:
     residual = state.residual
-    if residual is not None:
+    fresh = residual is None
+    if not fresh:
         if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32:
             raise TypeError("ExportState.residual must be an fp32 tensor (or None to start from zeros)")
         if residual.shape != master.shape:
@@ -256,17 +249,22 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
             raise ValueError(f"ExportState.residual is on {residual.device} but the master is on {master.device}")
         residual = residual.contiguous()  # the state's own buffer, updated in place (a strided one is copied once)
     else:
-        residual = torch.empty(
-            master.shape, dtype=torch.float32, device=master.device
-        )  # zeros: v = master, sign of zero included
+        residual = torch.empty(master.shape, dtype=torch.float32, device=master.device)  # zeros: v = master
     flat, v = _flat(master), residual.view(-1)
     out = torch.empty(flat.numel(), dtype=dtype, device=master.device)
+    if dtype == torch.bfloat16 and flat.numel() and _native_ok(flat):
+        lib, m, r, o = _native.kernels(), flat.data_ptr(), v.data_ptr(), out.data_ptr()  # one pass: _native.c
+        _native.run(
+            lambda a, b: lib.roundalign_ef_bf16(m + 4 * a, r + 4 * a, o + 2 * a, b - a, int(fresh)), flat.numel()
+        )
+        state.residual = residual
+        return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
     # The served chunk widened back to fp32 (exact), so that the subtraction is fp32 - fp32: a mixed-dtype operand
     # takes torch's slower casting loop. Not needed where the whole tensor is one piece (a GPU).
     wide = torch.empty(size, dtype=torch.float32) if master.device.type == "cpu" else None
     for m, vc, served in zip(flat.split(size), v.split(size), out.split(size), strict=True):
-        if state.residual is None:
+        if fresh:
             vc.copy_(m)
         else:
             vc.add_(m)  # v = fl32(residual + master) = fl32(master + residual), the law's one rounding
@@ -276,6 +274,8 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
         # Where served is not finite (overflow, inf/nan master) no finite residual can carry the difference: restart
         # that weight from zero. The residual is non-finite exactly there (finite - inf = -inf; inf - inf, nan: nan).
         vc.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    if dtype == torch.bfloat16:
+        out.view(torch.int16)[out.isnan()] = -1  # NaN as the compiled kernel serves it (_restore_nan says why)
     state.residual = residual
     return out.reshape(master.shape)
 
@@ -285,34 +285,42 @@ def export_bf16(
     sync: str = "rne",
     state: ExportState | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    offset: int = 0,
 ) -> torch.Tensor:
     """Export an fp32 master tensor as a new ``dtype`` (bf16 or fp16) tensor for the rollout engine.
 
     ``sync`` (the sync mode, ``--sync`` on the command line): ``"rne"`` (``master.to(dtype)``), ``"stochastic"``
-    (unbiased SR with noise from
-    ``state.generator``; make the state with ``ExportState.seeded(seed)`` and keep it across steps) or
-    ``"error-feedback"`` (``v = master + state.residual``, ``served = v.to(dtype)``, ``state.residual = v - served``;
-    ``ExportState()`` starts from a zero residual). Each tensor needs its own state. The master may live on any
-    device; SR draws its noise on the CPU generator and moves it there.
+    (unbiased SR; the noise is a function of ``state.key``, ``state.step`` and each element's index, and
+    ``state.step`` advances by one per export: make the state with ``ExportState.seeded(seed)`` and keep it across
+    steps) or ``"error-feedback"`` (``v = master + state.residual``, ``served = v.to(dtype)``,
+    ``state.residual = v - served``; ``ExportState()`` starts from a zero residual). Each tensor needs its own state.
+
+    ``offset`` (stochastic only): where ``master``'s first element sits in the flat order of the tensor it is part of,
+    so that a shard (an FSDP rank's slab of rows) is served bitwise as its slice of the whole tensor's export. The
+    master may live on any device; on the CPU the compiled kernels run (one pass), elsewhere the same arithmetic in
+    torch ops.
     """
     _check_sync(sync)
     _check_dtype(dtype)
     _check_master(master)
     if state is not None and not isinstance(state, ExportState):
         raise TypeError(f"state must be an ExportState or None, got {type(state).__name__}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an int >= 0 (the master's first element in its whole tensor), got {offset!r}")
     if sync == "rne":
         return master.to(dtype)
     if sync == "stochastic":
-        if state is None or state.generator is None:
+        if state is None or state.key is None:
             raise ValueError(
-                "stochastic export needs a seeded generator per tensor: pass state=ExportState.seeded(seed) and keep "
-                "that state for this tensor across steps"
+                "stochastic export needs a noise key per tensor: pass state=ExportState.seeded(seed) and keep that "
+                "state for this tensor across steps"
             )
-        if state.generator.device.type != "cpu":
-            raise ValueError(f"ExportState.generator must be a CPU generator, got one on {state.generator.device}")
-        if dtype == torch.bfloat16:
-            return _stochastic_bf16(master, state.generator)
-        return _stochastic_fp16(master, state.generator)
+        noise.split_key(state.key)
+        noise.counter_hi(state.step, 1)  # in range, before anything is drawn
+        served = (_stochastic_bf16 if dtype == torch.bfloat16 else _stochastic_fp16)(master, state, offset)
+        state.step += 1
+        return served
     if state is None:
         raise ValueError(
             "error-feedback export keeps a residual per tensor: pass state=ExportState() and keep that state for this "
@@ -322,7 +330,7 @@ def export_bf16(
 
 
 def tensor_seed(seed: int, name: str) -> int:
-    """The generator seed of tensor ``name`` under exporter seed ``seed``: SHA-256, stable across runs and hosts."""
+    """The noise key of tensor ``name`` under exporter seed ``seed``: SHA-256, stable across runs and hosts."""
     digest = hashlib.sha256(f"roundalign.sync:{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -383,41 +391,49 @@ class Exporter:
         return served
 
     def state_dict(self) -> dict:
-        """Everything needed to resume bitwise: settings, shapes, generator states and residuals (copies)."""
-        generators, residuals = {}, {}
+        """Everything needed to resume bitwise: settings, shapes, the step and residuals (copies).
+
+        The stochastic noise keys follow from the seed and the names, and every tensor is at step ``steps``.
+        """
+        residuals = {}
         for name, state in self._states.items():
-            if state is not None and state.generator is not None:
-                generators[name] = state.generator.get_state()
             if state is not None and state.residual is not None:
                 residuals[name] = state.residual.detach().clone()
         shapes = None if self._shapes is None else {name: list(shape) for name, shape in self._shapes.items()}
         return {
             "format": _STATE_FORMAT, "mode": self.sync,  # "mode": the state format's key since format 1
             "seed": self.seed, "dtype": _dtype_name(self.dtype),
-            "steps": self.steps, "shapes": shapes, "generators": generators, "residuals": residuals,
+            "steps": self.steps, "shapes": shapes, "residuals": residuals,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s output; the mode, seed and dtype must be this exporter's."""
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, Mapping) or state.get("format") not in (1, _STATE_FORMAT):
             raise ValueError("not an Exporter.state_dict() of this roundalign version (missing or unknown 'format')")
+        if state["format"] == 1 and state.get("mode") == "stochastic":
+            raise ValueError(
+                "this stochastic Exporter state is from a roundalign before the counter-based noise (state format 1: "
+                "Mersenne Twister generators) and cannot continue that stream bitwise; start a new Exporter (the "
+                "served copy of the next step is then rounded afresh, with the same statistics)"
+            )  # format 1 in the other modes holds nothing that changed: settings, shapes and residuals
         mine = {"mode": self.sync, "seed": self.seed, "dtype": _dtype_name(self.dtype)}
         differ = [f"{k}={state.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if state.get(k) != v]
         if differ:
             raise ValueError(f"state_dict is from a differently configured Exporter: {', '.join(differ)}")
         shapes = None if state["shapes"] is None else {n: tuple(s) for n, s in state["shapes"].items()}
+        steps = int(state["steps"])
         states = {}
         for name, shape in (shapes or {}).items():
             st = self._new_state(name)
-            if name in state["generators"]:
-                st.generator.set_state(state["generators"][name])
+            if st is not None and st.key is not None:
+                st.step = steps
             if name in state["residuals"]:
                 residual = state["residuals"][name]
                 if tuple(residual.shape) != shape or residual.dtype != torch.float32:
                     raise ValueError(f"state_dict residual of {name!r} is not an fp32 tensor of shape {shape}")
                 st.residual = residual.detach().clone()
             states[name] = st
-        self._shapes, self._states, self.steps = shapes, states, int(state["steps"])
+        self._shapes, self._states, self.steps = shapes, states, steps
 
 
 def _few(names: list[str]) -> str:

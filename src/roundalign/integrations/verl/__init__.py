@@ -16,12 +16,12 @@ Three layers, each usable alone (``docs/verl.md``):
 
 from roundalign.integrations.verl.activation import ENV_VARS, SETUP_HOOK, activate, ray_runtime_env, settings_from_env
 from roundalign.integrations.verl.dump import rollouts_from_batch, write_rollout_logprobs
-from roundalign.integrations.verl.export import BLOCK, ShardExporter, block_seed, flat_offset
+from roundalign.integrations.verl.export import ShardExporter, flat_offset
 from roundalign.integrations.verl.hooks import install, installed, uninstall
 from roundalign.integrations.verl.seam import PatchReport, patch_actor
 
 __all__ = [
-    "BLOCK", "ENV_VARS", "SETUP_HOOK", "PatchReport", "ShardExporter", "activate", "block_seed", "flat_offset",
+    "ENV_VARS", "SETUP_HOOK", "PatchReport", "ShardExporter", "activate", "flat_offset",
     "install", "installed", "patch_actor", "ray_runtime_env", "rollouts_from_batch", "settings_from_env", "uninstall",
     "write_rollout_logprobs",
 ]  # fmt: skip

@@ -6,18 +6,17 @@ with a ``roundalign.sync`` mode (``docs/sync.md``), under two constraints the RN
 - **Layout independence.** An FSDP2 rank holds a contiguous slab of each tensor's flat elements (``Shard(0)``).
   Concatenating the ranks' exports must give exactly the export of the full tensor, whatever the world size, or
   the rollout engine would serve a different model under a different sharding. Error feedback is element-wise, so
-  a per-rank residual does it. Stochastic rounding needs each element's noise to depend on its position in the full
-  tensor, not in the shard: the flat tensor is cut into fixed blocks of ``BLOCK`` elements, block ``b`` draws its
-  noise from ``export_bf16``'s generator seeded with ``tensor_seed(seed, f"{name}@v{version}#{b}")``, and a shard
-  reads the blocks it overlaps, skipping the draws of the elements before it in its first block. So the union of
-  the shards is bitwise ``cat_b(export_bf16(full[b], "stochastic", ExportState.seeded(block seed)))``, and a rank
-  draws at most ``BLOCK`` noise values it does not use at each end of its slab.
+  a per-rank residual does it. Stochastic rounding's noise is counter-based (``roundalign.sync.noise``): each
+  element's noise is a function of the tensor's key, the export step and the element's index in the full tensor, so
+  a rank passes its slab's first index as ``offset`` and draws exactly its own elements' noise. The union of the
+  shards is bitwise ``export_bf16(full, "stochastic", ExportState(key=tensor_seed(seed, name), step=version))``,
+  in bf16 and fp16 alike.
 - **Idempotence within a weight version.** verl exports the same weights several times between two optimizer steps:
   the delta engine's seed sends ``get_per_tensor_param()`` and then snapshots ``get_per_tensor_param_shard()`` as
   the diff base, and every K-th sync re-sends everything to verify the receiver's bits. Each of these must see the
   served copy the engine already has. So the served copy is a function of (master, ``version``): stochastic noise is
-  seeded per version, and error feedback keeps ``v = fl32(master + residual)`` of the current version (the served
-  copy is ``r(v)``; the residual ``v - r(v)`` is only taken when the next version starts). ``next_version()`` is
+  drawn at step ``version``, and error feedback keeps ``v = fl32(master + residual)`` of the current version (the
+  served copy is ``r(v)``; the residual ``v - r(v)`` is only taken when the next version starts). ``next_version()`` is
   called when the master moves (verl's ``optimizer_step``).
 
 RNE needs neither: it is ``master.to(dtype)``, the cast verl already does.
@@ -28,13 +27,6 @@ from __future__ import annotations
 import torch
 
 from roundalign.sync import EXPORT_DTYPES, MODES, ExportState, export_bf16, tensor_seed
-
-BLOCK = 1 << 20  # stochastic noise block (elements): what a shard may draw and discard at each end of its slab
-
-
-def block_seed(seed: int, name: str, version: int, block: int) -> int:
-    """The generator seed of stochastic-rounding block ``block`` of tensor ``name`` at weight version ``version``."""
-    return tensor_seed(seed, f"{name}@v{version}#{block}")
 
 
 class ShardExporter:
@@ -51,10 +43,6 @@ class ShardExporter:
             raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(MODES)}")
         if dtype not in EXPORT_DTYPES:
             raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype}")
-        if sync == "stochastic" and dtype != torch.bfloat16:
-            # fp16 SR redraws noise for the elements below 2^-14 after the main pass, so a shard's noise would depend
-            # on the small elements of the shards before it: no layout-independent block scheme.
-            raise ValueError("stochastic export of shards supports bf16 only; use error-feedback for fp16 rollouts")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.sync, self.seed, self.dtype = sync, seed, dtype
@@ -82,17 +70,9 @@ class ShardExporter:
         return self._error_feedback(name, local, start)
 
     def _stochastic(self, name: str, local: torch.Tensor, start: int) -> torch.Tensor:
-        flat = local.reshape(-1)
-        pieces, pos, end = [], start, start + flat.numel()
-        while pos < end:
-            block, offset = divmod(pos, BLOCK)
-            take = min(BLOCK - offset, end - pos)
-            state = ExportState.seeded(block_seed(self.seed, name, self.version, block))
-            _skip_draws(state.generator, offset)
-            pieces.append(export_bf16(flat[pos - start : pos - start + take], "stochastic", state, self.dtype))
-            pos += take
-        served = torch.cat(pieces) if pieces else flat.to(self.dtype)
-        return served.reshape(local.shape)
+        # The whole tensor's export at step ``version``, restricted to this rank's elements (noise.py: counter-based).
+        state = ExportState(key=tensor_seed(self.seed, name), step=self.version)
+        return export_bf16(local, "stochastic", state, self.dtype, offset=start)
 
     def _error_feedback(self, name: str, local: torch.Tensor, start: int) -> torch.Tensor:
         held = self._ef.get(name)
@@ -134,17 +114,6 @@ class ShardExporter:
         self._ef = {name: (version, start, v.clone()) for name, (version, start, v) in state["ef"].items()}
 
 
-def _skip_draws(generator: torch.Generator, count: int) -> None:
-    """Advance ``generator`` past ``count`` of the 16-bit draws bf16 SR makes per element (one draw each)."""
-    # export_bf16's bf16 SR draws torch.randint(0, 2**16, (numel,), dtype=int32): one generator step per element,
-    # serially, so drawing and discarding ``count`` of them puts the stream at element ``count``. The sharded test
-    # (tests/test_integration_verl.py) pins this against export_bf16 on the full tensor.
-    while count > 0:
-        n = min(count, BLOCK)
-        torch.randint(0, 1 << 16, (n,), generator=generator, dtype=torch.int32)
-        count -= n
-
-
 def flat_offset(param) -> int:
     """Where this rank's local shard of ``param`` starts among the full tensor's flat elements (0 if unsharded).
 
@@ -170,4 +139,4 @@ def flat_offset(param) -> int:
     return int(offset[0]) * row if shape else 0
 
 
-__all__ = ["BLOCK", "ShardExporter", "block_seed", "flat_offset"]
+__all__ = ["ShardExporter", "flat_offset"]

@@ -1,0 +1,90 @@
+"""Stochastic rounding's noise: a counter-based stream (Threefry-2x32-20), so any element's noise is computable alone.
+
+Each exported tensor has a 64-bit ``key`` (``tensor_seed(seed, name)``) and counts its exports in ``step``. The noise
+of element ``g`` (its index in the whole tensor's flat order) at one export is a pure function of
+``(key, step, g)``: Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as
+1, 2, 3", SC'11, the generator JAX uses by default) encrypts a 64-bit counter under the key. Because nothing is
+sequential:
+
+- a shard of a tensor (an FSDP rank's slab starting at element ``offset``) draws exactly the noise the whole tensor
+  gives those elements, with no skipping ahead (``export_bf16(..., offset=)``, ``integrations.verl``);
+- the CPU kernels (``_native.c``) compute it in parallel and vectorised, fused with the rounding, in one pass.
+
+Layout. Counter ``(c0, c1)``: ``c1 = 2 * step + stream``, stream 0 the rounding noise and stream 1 fp16's extra draws
+for values below its smallest subnormal; ``c0`` the block index. Block ``c0`` gives two 32-bit words ``x0, x1``.
+
+- bf16 (16 bits per element): element ``g`` takes block ``8 * (g >> 5) + (g & 7)``, part ``(g >> 3) & 3`` of
+  ``(x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16)``: 32 consecutive elements share 8 consecutive blocks, a layout
+  that vectorises without shuffles.
+- 32-bit words (fp16's noise, one per element; its tiny values' Bernoulli draws): word ``w`` is ``x0`` (``w`` even)
+  or ``x1`` (odd) of block ``w >> 1``. Element ``g`` takes word ``g`` of stream 0; a tiny element ``g`` takes words
+  ``8 * g`` to ``8 * g + 4`` of stream 1.
+
+The functions here are the stream in torch ops (int64 holding unsigned 32-bit values, masked after every add and
+shift, so no operation overflows); they run on any device, and are what the compiled kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK = 0xFFFFFFFF
+_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+_PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
+MAX_STEP = (1 << 31) - 1  # c1 = 2 * step + stream must fit 32 bits
+MAX_BLOCKS = 1 << 32  # c0 is 32 bits: 2^34 elements per tensor in bf16, 2^32 words
+
+
+def split_key(key: int) -> tuple[int, int]:
+    """A 64-bit key as Threefry's two 32-bit key words (low, high)."""
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 64:
+        raise ValueError(f"a stochastic-rounding key is an int in [0, 2**64), got {key!r}")
+    return key & MASK, key >> 32
+
+
+def counter_hi(step: int, stream: int) -> int:
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(
+            f"stochastic export step {step} is outside [0, 2**31): a tensor's noise stream counts its exports, and "
+            "2**31 exports of one tensor are more than any run makes; start a new Exporter (a new seed)"
+        )
+    return 2 * step + stream
+
+
+def threefry2x32(key: int, c0: torch.Tensor, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32-20 of counters ``(c0, c1)`` (``c0`` an int64 tensor of values in [0, 2^32)) under ``key``."""
+    k0, k1 = split_key(key)
+    ks = (k0, k1, k0 ^ k1 ^ _PARITY)
+    x0 = (c0 + k0) & MASK
+    x1 = torch.full_like(c0, (c1 + k1) & MASK)
+    for r in range(20):
+        x0 = (x0 + x1) & MASK
+        rot = _ROTATIONS[r % 8]
+        x1 = ((x1 << rot) & MASK) | (x1 >> (32 - rot))  # rotate left; x1 < 2^32, so x1 << rot < 2^63
+        x1 = x1 ^ x0
+        if r % 4 == 3:
+            i = r // 4 + 1
+            x0 = (x0 + ks[i % 3]) & MASK
+            x1 = (x1 + ks[(i + 1) % 3] + i) & MASK
+    return x0, x1
+
+
+def words(key: int, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32-bit words at int64 positions ``index`` of stream ``stream`` at export ``step``, as int64."""
+    x0, x1 = threefry2x32(key, index >> 1, counter_hi(step, stream))
+    return torch.where((index & 1).bool(), x1, x0)
+
+
+def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16-bit noise of elements ``first .. first + n - 1`` (int64), one Threefry block per 4 elements."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    g0, g1 = first >> 5, (first + n - 1) >> 5  # the groups of 32 elements (8 blocks) the range touches
+    if 8 * (g1 + 1) > MAX_BLOCKS:
+        raise ValueError(f"tensor too large for one stochastic-rounding stream ({first + n} elements > 2**34)")
+    blocks = torch.arange(8 * g0, 8 * (g1 + 1), dtype=torch.int64, device=device)
+    x0, x1 = threefry2x32(key, blocks, counter_hi(step, 0))
+    x0, x1 = x0.view(-1, 1, 8), x1.view(-1, 1, 8)
+    parts = torch.cat([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], dim=1)  # (groups, part, lane): element order
+    start = first - 32 * g0
+    return parts.reshape(-1)[start : start + n]
