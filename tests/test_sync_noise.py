@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from roundalign.sync import ExportState, _native, export_bf16, noise
+from roundalign.sync import Exporter, ExportState, _native, export_bf16, noise, tensor_seed
 from tests import formulas
 
 # Random123 (DEShawResearch) kat_vectors, threefry2x32_20: (counter, key) -> output, the same vectors JAX tests.
@@ -158,3 +158,25 @@ def test_build_is_cached_and_a_missing_compiler_falls_back_with_one_warning(monk
     assert torch.equal(
         fallback.view(torch.int16), export_bf16(x, "stochastic", ExportState.seeded(1)).view(torch.int16)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["stochastic", "error-feedback"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exporter_batched_call_is_export_bf16_per_tensor(mode, threads, dtype, monkeypatch):
+    # Exporter.export hands a whole bf16 state_dict to the kernels at once (work balanced over threads, tensors cut
+    # across thread boundaries): the same bits as export_bf16 tensor by tensor, over steps, empty tensors included.
+    _kernels()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(4)
+    shapes = {"a.weight": (300, 700), "b.bias": (7,), "c.empty": (0, 3), "d.weight": (513, 129), "e.scalar": ()}
+    masters = [{n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()} for _ in range(3)]
+    for m in masters:
+        m["d.weight"][100:140] *= 2.0**-40  # fp16's tiny range, in a tensor the threads cut
+    exporter = Exporter(mode, seed=5, dtype=dtype)
+    states = {n: ExportState.seeded(tensor_seed(5, n)) if mode == "stochastic" else ExportState() for n in shapes}
+    for m in masters:
+        got = exporter.export(m)
+        for name, t in m.items():
+            want = export_bf16(t, mode, states[name], dtype)
+            assert got[name].shape == want.shape and torch.equal(got[name].view(torch.int16), want.view(torch.int16))

@@ -1,4 +1,4 @@
-/* Fair Cast's CPU kernels: bf16 stochastic rounding and bf16 error feedback, one pass over the weights each.
+/* Fair Cast's CPU kernels: stochastic rounding and error feedback to bf16 and fp16, one pass over the weights each.
  *
  * Compiled at first use by roundalign/sync/_native.py with the machine's C compiler (the compiler the fused ops
  * already need) and called through ctypes, which releases the GIL so that threads export disjoint ranges at once.
@@ -141,4 +141,99 @@ static inline void ef_bf16(const float *restrict master, float *restrict residua
 void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
     if (fresh) ef_bf16(master, residual, out, n, 1);
     else ef_bf16(master, residual, out, n, 0);
+}
+
+/* fp16. fp32 bits -> fp16 bits for a value already on fp16's grid (or >= 2^16: inf), and NaN as torch's CPU cast
+ * writes it (payload's top bits kept, quiet bit set). */
+static inline uint16_t fp16_bits_exact(uint32_t t) {
+    uint32_t sign = (t >> 16) & 0x8000u, a = t & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x7FFFFFu) >> 13)); /* NaN */
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7C00u);                          /* 2^16 and up, inf */
+    if (a >= 0x38800000u) return (uint16_t)(sign | ((a - 0x38000000u) >> 13));        /* normal: rebias */
+    if (a < 0x33000000u) return (uint16_t)sign;                                        /* below 2^-25: 0 */
+    uint32_t e = a >> 23, mant = (a & 0x7FFFFFu) | 0x800000u;
+    return (uint16_t)(sign | (mant >> (126 - e))); /* subnormal: a multiple of 2^-24, exactly */
+}
+
+/* fp16 SR (export.py's _stochastic_fp16, one pass): element g takes word g of stream c1 (roundalign_words' layout);
+ * d low bits of it are added below fp16's grid point and truncated, d = 13 in fp16's normal range and up to 23
+ * below 2^-14. Values with 0 < |x| < 2^-24 need an exact Bernoulli instead: the kernel leaves them to the caller
+ * and returns how many there are. */
+int64_t roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first,
+                           uint32_t k0, uint32_t k1, uint32_t c1) {
+    int64_t tiny = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t w = first + (uint64_t)i;
+        uint32_t x0, x1;
+        threefry(k0, k1, (uint32_t)(w >> 1), c1, &x0, &x1);
+        uint32_t u = bits[i], e = (u >> 23) & 0xFFu;
+        uint32_t ec = e < 103u ? 103u : (e > 113u ? 113u : e);
+        uint32_t low = (0x800000u >> (ec - 103u)) - 1u; /* the d low bits below fp16's grid point */
+        uint32_t t = (u + (((w & 1) ? x1 : x0) & low)) & ~low; /* the rounding point: add noise, truncate */
+        out[i] = fp16_bits_exact(e == 255u ? u : t);
+        tiny += ((u - 1u) & 0x7FFFFFFFu) < 0x337FFFFFu; /* 0 < |x| < 2^-24 */
+    }
+    return tiny;
+}
+
+/* RNE fp32 -> fp16 bits, as torch's cast (overflow to inf, subnormals, NaN kept quiet with its payload's top). */
+static inline uint16_t fp16_rne(uint32_t u) {
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x7FFFFFu) >> 13));
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* from 65520 (the midpoint past 65504) up: inf */
+    if (a >= 0x38800000u) {                                   /* normal */
+        uint32_t r = a - 0x38000000u;
+        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+    }
+    if (a < 0x33000000u) return (uint16_t)sign; /* at most 2^-25 (a tie to even 0 at exactly 2^-25): 0 */
+    uint32_t e = a >> 23, mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - e; /* 14 .. 24 */
+    uint32_t half = 1u << (shift - 1), rest = mant & ((1u << shift) - 1u), q = mant >> shift;
+    q += rest > half || (rest == half && (q & 1u)); /* round to nearest, ties to even (may carry into 2^-14) */
+    return (uint16_t)(sign | q);
+}
+
+static inline float fp16_value(uint16_t h) { /* exact fp16 -> fp32 */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 31u) return as_float(sign | 0x7F800000u | (m << 13));
+    if (e) return as_float(sign | ((e + 112u) << 23) | (m << 13));
+    return (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+}
+
+/* fp16 error feedback, as ef_bf16 with fp16's RNE. */
+void roundalign_ef_fp16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
+                        int fresh) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
+        uint32_t u = as_bits(v);
+        uint16_t s = fp16_rne(u); /* the rounding point */
+        int keep = (u & 0x7F800000u) != 0x7F800000u && (s & 0x7C00u) != 0x7C00u;
+        out[i] = s;
+        residual[i] = keep ? v - fp16_value(s) : 0.0f; /* exact (Sterbenz); +0 where either is not finite */
+    }
+}
+
+/* Many tensors in one call (Exporter.export: one call per thread for a whole state_dict, no per-tensor Python).
+ * desc holds count rows of int64: SR [bits, out, n, first, k0, k1, c1]; EF [master, residual, out, n, fresh]. */
+void roundalign_sr_bf16_many(int64_t count, const int64_t *desc) {
+    for (int64_t t = 0; t < count; t++, desc += 7)
+        roundalign_sr_bf16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
+                           (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
+}
+
+void roundalign_sr_fp16_many(int64_t count, const int64_t *desc, int64_t *tiny) {
+    for (int64_t t = 0; t < count; t++, desc += 7)
+        tiny[t] = roundalign_sr_fp16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
+                                     (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
+}
+
+void roundalign_ef_fp16_many(int64_t count, const int64_t *desc) {
+    for (int64_t t = 0; t < count; t++, desc += 5)
+        roundalign_ef_fp16((const float *)(intptr_t)desc[0], (float *)(intptr_t)desc[1], (uint16_t *)(intptr_t)desc[2],
+                           desc[3], (int)desc[4]);
+}
+
+void roundalign_ef_bf16_many(int64_t count, const int64_t *desc) {
+    for (int64_t t = 0; t < count; t++, desc += 5)
+        roundalign_ef_bf16((const float *)(intptr_t)desc[0], (float *)(intptr_t)desc[1], (uint16_t *)(intptr_t)desc[2],
+                           desc[3], (int)desc[4]);
 }

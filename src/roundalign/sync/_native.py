@@ -1,11 +1,12 @@
 """Build, cache and call Fair Cast's CPU kernels (``_native.c``): one pass per export instead of a handful.
 
-A bf16 stochastic or error-feedback export in torch ops is several element-wise passes, and drawing the noise is
+A stochastic or error-feedback export in torch ops is several element-wise passes, and computing the noise is
 slower still; the C kernels do each mode in one pass, at about the cost of the plain cast (docs/sync.md, Cost). They
 are compiled once per machine with the C++ compiler Inductor uses (``$CXX``, else g++; the fused ops need it too),
 into ``$ROUNDALIGN_CACHE_DIR`` (default ``~/.cache/roundalign``) under a name that hashes the source, the compiler
 and the CPU's flags, so an upgrade or another CPU never loads a stale or foreign build. A tensor is split into as many
-contiguous ranges as torch has threads; ctypes releases the GIL during each call, so the ranges run in parallel.
+contiguous runs of work as torch has threads (``run_many``: a whole state_dict is one C call per thread); ctypes
+releases the GIL during each call, so the runs go in parallel.
 
 Where no compiler works, ``kernels()`` is None and export.py runs the torch formulas (the same bits, slower) after
 one RuntimeWarning; ``ROUNDALIGN_SYNC_KERNELS=0`` asks for that path on purpose.
@@ -28,7 +29,7 @@ import torch
 ENV = "ROUNDALIGN_SYNC_KERNELS"
 SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-x", "c"]
-_MIN_SPLIT = 1 << 16  # elements per thread below which a tensor is exported by one call (thread hand-off costs more)
+_MIN_SPLIT = 1 << 16  # elements per thread below which one call does all the work (a thread hand-off costs more)
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None
 _pool: list = []  # [ThreadPoolExecutor, its size, the pid that made it]
@@ -91,6 +92,11 @@ def _build() -> ctypes.CDLL:
     lib.roundalign_ef_bf16.restype = None
     lib.roundalign_words.argtypes = [ptr, i64, u64, u32, u32, u32]
     lib.roundalign_words.restype = None
+    for name in ("roundalign_sr_bf16_many", "roundalign_ef_bf16_many", "roundalign_ef_fp16_many"):
+        getattr(lib, name).argtypes = [i64, ptr]
+        getattr(lib, name).restype = None
+    lib.roundalign_sr_fp16_many.argtypes = [i64, ptr, ptr]  # + one int64 per item: its count of tiny values
+    lib.roundalign_sr_fp16_many.restype = None
     return lib
 
 
@@ -114,24 +120,76 @@ def kernels() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
-def _ranges(n: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` pieces of ``n`` elements, one per torch thread, cut on 4-element blocks."""
-    parts = max(1, min(torch.get_num_threads(), n // _MIN_SPLIT))
-    step = (-(-n // parts) + 3) // 4 * 4  # ceil(n / parts), rounded up to whole blocks
-    return [(s, min(n, s + step)) for s in range(0, n, step)] if n else []
+# Work item columns: where the element count is and which columns move when an item is cut (pointer, element size).
+_ITEMS = {
+    "sr_bf16": {"n": 2, "width": 7, "pointers": ((0, 4), (1, 2)), "first": 3},
+    "ef_bf16": {"n": 3, "width": 5, "pointers": ((0, 4), (1, 4), (2, 2)), "first": None},
+}
+_ITEMS["sr_fp16"], _ITEMS["ef_fp16"] = _ITEMS["sr_bf16"], _ITEMS["ef_bf16"]  # the same columns, 2-byte outputs
 
 
-def run(call, n: int) -> None:
-    """``call(start, stop)`` for each of ``_ranges(n)``, in parallel threads when there is more than one piece."""
-    pieces = _ranges(n)
-    if len(pieces) <= 1:
-        for a, b in pieces:
-            call(a, b)
-        return
-    # One pool per process and size: a pool inherited through fork() has no threads in the child and would hang.
-    if not _pool or _pool[1:] != [len(pieces), os.getpid()]:
+def run_many(kind: str, items: list[tuple[int, ...]]) -> list[int]:
+    """Run ``roundalign_<kind>_many`` over work items (one per tensor), balanced over torch's threads.
+
+    Items larger than a thread's share are cut into pieces on 32-element boundaries (the bf16 noise layout's groups),
+    each piece's pointers and first element moved along; then each thread takes a contiguous run of pieces, one C
+    call for all of them. A whole state_dict costs one call per thread, not one per tensor. Returns, per item, what
+    the kernel counts (fp16 SR: the values below 2^-24 left to the caller), else zeros.
+    """
+    spec = _ITEMS[kind]
+    if not items:
+        return []
+    total = sum(item[spec["n"]] for item in items)
+    parts = max(1, min(torch.get_num_threads(), total // _MIN_SPLIT))
+    share = (-(-total // parts) + 31) // 32 * 32
+    pieces = []
+    for index, item in enumerate(items):
+        n, done = item[spec["n"]], 0
+        while done < n:
+            take = min(share, n - done)
+            piece = [*item, index]  # the item it came from, last: not passed to the kernel
+            for col, size in spec["pointers"]:
+                piece[col] += size * done
+            piece[spec["n"]] = take
+            if spec["first"] is not None:
+                piece[spec["first"]] += done
+            pieces.append(piece)
+            done += take
+    runs, current, filled = [], [], 0  # contiguous runs of about `share` elements each
+    for piece in pieces:
+        current.append(piece)
+        filled += piece[spec["n"]]
+        if filled >= share:
+            runs.append(current)
+            current, filled = [], 0
+    if current and len(runs) == parts:
+        runs[-1] += current  # a remainder smaller than a share: the last thread takes it
+    elif current:
+        runs.append(current)
+    fn = getattr(kernels(), f"roundalign_{kind}_many")
+    counted = kind == "sr_fp16"
+    arrays = [torch.tensor([p[:-1] for p in run], dtype=torch.int64) for run in runs]  # alive until the calls return
+    counts = [torch.zeros(len(run), dtype=torch.int64) for run in runs]
+    calls = [
+        (len(run), a.data_ptr(), *([c.data_ptr()] if counted else []))
+        for run, a, c in zip(runs, arrays, counts, strict=True)
+    ]
+    if len(calls) == 1:
+        fn(*calls[0])
+    else:
+        _in_threads(fn, calls)
+    per_item = [0] * len(items)
+    for run, c in zip(runs, counts, strict=True):
+        for piece, k in zip(run, c.tolist(), strict=True):
+            per_item[piece[-1]] += k
+    return per_item
+
+
+def _in_threads(fn, calls: list[tuple]) -> None:
+    """``fn(*call)`` for every call at once, one pool thread each (ctypes releases the GIL)."""
+    if not _pool or _pool[1:] != [len(calls), os.getpid()]:
         if _pool and _pool[2] == os.getpid():
             _pool[0].shutdown(wait=False)
-        _pool[:] = [ThreadPoolExecutor(len(pieces), thread_name_prefix="roundalign-sync"), len(pieces), os.getpid()]
-    for _ in _pool[0].map(lambda ab: call(*ab), pieces):  # re-raises a piece's exception here
+        _pool[:] = [ThreadPoolExecutor(len(calls), thread_name_prefix="roundalign-sync"), len(calls), os.getpid()]
+    for _ in _pool[0].map(lambda call: fn(*call), calls):  # re-raises a call's exception here
         pass

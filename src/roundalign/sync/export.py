@@ -26,12 +26,12 @@ its residual is reset to zero.
 ``Exporter`` applies one sync mode to a whole HF-named state_dict each step, with per-tensor state seeded from
 ``(seed, name)`` by SHA-256, so exports do not depend on dict order or ``PYTHONHASHSEED``.
 
-Cost (docs/sync.md, Cost, has the figures). On the CPU, bf16 SR and bf16 EF are one pass each over the weights in
-compiled kernels (``_native.c``, built at first use): SR computes its noise in the same pass, and costs about what
-the plain cast does. Everywhere else (fp16, GPU masters, a machine without a C compiler) the same arithmetic runs as
-a handful of element-wise torch passes, chunk by chunk on the CPU (``_CHUNK`` elements) so that every pass after the
-first reads from cache. Neither chunking nor threads change a bit: every element's result depends only on its own
-value, its own noise and (EF) its own residual.
+Cost (docs/sync.md, Cost, has the figures). On the CPU every SR and EF export is one pass over the weights in
+compiled kernels (``_native.c``, built at first use), SR computing its noise in the same pass, and ``Exporter``
+hands a whole state_dict to them in one call per thread; both cost about what the plain cast does. Elsewhere (GPU
+masters, a machine without a C compiler) the same arithmetic runs as element-wise torch passes, chunk by chunk on
+the CPU (``_CHUNK`` elements) so that every pass after the first reads from cache. Neither chunking nor threads
+change a bit: every element's result depends only on its own value, its own noise and (EF) its own residual.
 """
 
 from __future__ import annotations
@@ -130,10 +130,8 @@ def _stochastic_bf16(master: torch.Tensor, state: ExportState, offset: int) -> t
     out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=master.device)
     k0, k1 = noise.split_key(state.key)
     c1 = noise.counter_hi(state.step, 0)
-    if flat.numel() and _native_ok(flat):
-        lib, src, dst = _native.kernels(), flat.data_ptr(), out.data_ptr()  # one pass, fused: _native.c
-        _native.run(lambda a, b: lib.roundalign_sr_bf16(src + 4 * a, dst + 2 * a, b - a, offset + a, k0, k1, c1),
-                    flat.numel())  # fmt: skip
+    if flat.numel() and _native_ok(flat):  # one pass, noise and rounding fused: _native.c
+        _native.run_many("sr_bf16", [(flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, c1)])
         return out.reshape(master.shape)
     # The same arithmetic in torch ops, chunk by chunk (no compiler, or a GPU master).
     size = max(1, min(flat.numel(), _FORMULA_CHUNK if master.device.type == "cpu" else 1 << 24))
@@ -192,6 +190,17 @@ def _fp16_words(state: ExportState, first: int, into: torch.Tensor) -> torch.Ten
     return into.copy_(noise.words(state.key, state.step, 0, index).to(torch.int32))  # wraps to int32's bits
 
 
+def _fp16_tiny(flat: torch.Tensor, out: torch.Tensor, tiny: torch.Tensor, state: ExportState, offset: int) -> None:
+    """Serve the values below 2^-24 (indices ``tiny``) by their exact Bernoulli draws: 0 or 2^-24, sign kept."""
+    if not tiny.numel():
+        return
+    index = (8 * (tiny + offset)).unsqueeze(1) + torch.arange(5, device=flat.device)  # words 8g .. 8g + 4
+    draws = noise.words(state.key, state.step, 1, index.reshape(-1)).view(-1, 5)
+    up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
+    # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
+    out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
+
+
 def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> torch.Tensor:
     # fp16 keeps 11 significant bits down to 2^-14, then a fixed grid of 2^-24 (subnormals). Work on fp32 bits:
     # drop d low bits by adding uniform noise in [0, 2^d) and truncating, exactly as for bf16 (sign-magnitude again),
@@ -204,6 +213,12 @@ def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> t
     if not flat.numel():
         return master.to(torch.float16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
+    if _native_ok(flat):  # one pass: _native.c, which counts the values below 2^-24 it leaves to _fp16_tiny
+        k0, k1 = noise.split_key(state.key)
+        item = (flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, noise.counter_hi(state.step, 0))
+        if _native.run_many("sr_fp16", [item])[0]:
+            _fp16_tiny(flat, out, _tiny(flat.view(torch.int32)), state, offset)
+        return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
     words = torch.empty(size, dtype=torch.int32, device=master.device)
     scratch = torch.empty(size, dtype=torch.int32, device=master.device)  # exponents, then the low-bit masks
@@ -223,12 +238,7 @@ def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> t
     bits = flat.view(torch.int32)
     tiny = [_tiny(bits[i * size : (i + 1) * size]) + i * size for i in (lo < 103).nonzero().squeeze(1).tolist()]
     tiny = torch.cat(tiny) if tiny else torch.zeros(0, dtype=torch.int64, device=master.device)
-    if tiny.numel():
-        index = (8 * (tiny + offset)).unsqueeze(1) + torch.arange(5, device=master.device)  # words 8g .. 8g + 4
-        draws = noise.words(state.key, state.step, 1, index.reshape(-1)).view(-1, 5)
-        up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
-        # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
-        out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
+    _fp16_tiny(flat, out, tiny, state, offset)
     if bool((hi == 255).any()):  # a NaN's payload + noise can carry into the exponent or the sign
         _restore_nan(flat, out)
     return out.reshape(master.shape)
@@ -252,11 +262,9 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
         residual = torch.empty(master.shape, dtype=torch.float32, device=master.device)  # zeros: v = master
     flat, v = _flat(master), residual.view(-1)
     out = torch.empty(flat.numel(), dtype=dtype, device=master.device)
-    if dtype == torch.bfloat16 and flat.numel() and _native_ok(flat):
-        lib, m, r, o = _native.kernels(), flat.data_ptr(), v.data_ptr(), out.data_ptr()  # one pass: _native.c
-        _native.run(
-            lambda a, b: lib.roundalign_ef_bf16(m + 4 * a, r + 4 * a, o + 2 * a, b - a, int(fresh)), flat.numel()
-        )
+    if flat.numel() and _native_ok(flat):  # one pass: _native.c
+        kind = "ef_bf16" if dtype == torch.bfloat16 else "ef_fp16"
+        _native.run_many(kind, [(flat.data_ptr(), v.data_ptr(), out.data_ptr(), flat.numel(), int(fresh))])
         state.residual = residual
         return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
@@ -386,8 +394,39 @@ class Exporter:
         if self._shapes is None:
             self._shapes = {name: tuple(t.shape) for name, t in master.items()}
             self._states = {name: self._new_state(name) for name in master}
-        served = {name: export_bf16(t, self.sync, self._states[name], self.dtype) for name, t in master.items()}
+        if self.sync != "rne" and _native_ok(*master.values()):
+            served = self._export_compiled(master)
+        else:
+            served = {name: export_bf16(t, self.sync, self._states[name], self.dtype) for name, t in master.items()}
         self.steps += 1
+        return served
+
+    def _export_compiled(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``export_bf16`` of every tensor, bit for bit, as one compiled call per thread (no per-tensor Python beyond
+        allocating the outputs): what makes a small model's export cost about its cast."""
+        served, items = {}, []
+        for name, t in master.items():
+            state, out = self._states[name], torch.empty(t.shape, dtype=self.dtype)
+            served[name] = out
+            if self.sync == "stochastic":
+                k0, k1 = noise.split_key(state.key)
+                items.append((t.data_ptr(), out.data_ptr(), t.numel(), 0, k0, k1, noise.counter_hi(state.step, 0)))
+            else:
+                fresh = state.residual is None
+                if fresh:
+                    state.residual = torch.empty(t.shape, dtype=torch.float32)  # v = master: written by the kernel
+                items.append((t.data_ptr(), state.residual.data_ptr(), out.data_ptr(), t.numel(), int(fresh)))
+        kind = ("sr_" if self.sync == "stochastic" else "ef_") + ("bf16" if self.dtype == torch.bfloat16 else "fp16")
+        count = 2 if self.sync == "stochastic" else 3  # the column of an item's element count
+        names = [name for name, item in zip(served, items, strict=True) if item[count]]  # empty tensors: nothing
+        tiny = _native.run_many(kind, [item for item in items if item[count]])
+        for name, found in zip(names, tiny, strict=True):
+            if found:  # fp16 SR: values below 2^-24, by their exact Bernoulli draws
+                flat = _flat(master[name])
+                _fp16_tiny(flat, served[name].view(-1), _tiny(flat.view(torch.int32)), self._states[name], 0)
+        if self.sync == "stochastic":
+            for state in self._states.values():
+                state.step += 1
         return served
 
     def state_dict(self) -> dict:
