@@ -232,20 +232,33 @@ def threefry2x32(key: int, c0, c1: int):
 
 def sr_noise_bf16(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
     """bf16 SR noise of elements ``g``: 16-bit part ``(g >> 3) & 3`` of block ``8 * (g >> 5) + (g & 7)`` at counter
-    high word ``2 * step`` (parts: x0 low, x0 high, x1 low, x1 high), as int64."""
+    high word ``4 * step`` (parts: x0 low, x0 high, x1 low, x1 high), as int64."""
     import numpy as np
 
     g = elements.numpy().astype(np.uint64)
-    x0, x1 = threefry2x32(key, (8 * (g >> 5) + (g & 7)).astype(np.uint32), 2 * step)
+    x0, x1 = threefry2x32(key, (8 * (g >> 5) + (g & 7)).astype(np.uint32), 4 * step)
     part = (g >> 3) & 3
     word = np.where(part >= 2, x1, x0)
     return torch.from_numpy(np.where(part % 2 == 1, word >> 16, word & 0xFFFF).astype(np.int64))
 
 
-def noise_words(key: int, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """32-bit words ``w`` of stream ``stream``: x0 (w even) or x1 (odd) of block ``w >> 1`` at ``2 * step + stream``."""
+def tiny_draws(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """fp16's five Bernoulli words of elements ``g``: (x0, x1) of block ``g`` at ``4 * step + 1``, then at
+    ``4 * step + 2``, then x0 at ``4 * step + 3``; shape (n, 5), int64."""
     import numpy as np
 
-    w = index.numpy().astype(np.uint64)
-    x0, x1 = threefry2x32(key, (w >> 1).astype(np.uint32), 2 * step + stream)
-    return torch.from_numpy(np.where(w & 1, x1, x0).astype(np.int64))
+    g = elements.numpy().astype(np.uint32)
+    words = []
+    for stream in (1, 2, 3):
+        words += list(threefry2x32(key, g, 4 * step + stream))
+    return torch.from_numpy(np.stack(words[:5], axis=1).astype(np.int64))
+
+
+def sr_noise_fp16(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """fp16 SR noise words of elements ``g``: x0 of block ``8 * (g >> 4) + (g & 7)`` if ``g & 8`` is 0, else x1, at
+    counter high word ``4 * step``, as int64."""
+    import numpy as np
+
+    g = elements.numpy().astype(np.uint64)
+    x0, x1 = threefry2x32(key, (8 * (g >> 4) + (g & 7)).astype(np.uint32), 4 * step)
+    return torch.from_numpy(np.where(g & 8, x1, x0).astype(np.int64))

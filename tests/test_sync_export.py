@@ -219,13 +219,13 @@ def test_stochastic_bf16_is_the_reference_given_the_stream(sync_path):
 
 
 def test_stochastic_fp16_is_the_reference_given_the_stream(sync_path):
-    # fp16's stream: word g of stream 0 for element g, whose low d bits are its noise, d = log2 of fp16's spacing over
-    # fp32's at x (13 in fp16's normal range, more below 2^-14); the exact Bernoulli draws of the values below 2^-24
-    # take stream 1 (checked statistically elsewhere, and for layout independence in test_sync_noise).
+    # fp16's stream: element g's word (formulas.sr_noise_fp16), whose low d bits are its noise, d = log2 of fp16's
+    # spacing over fp32's at x (13 in fp16's normal range, more below 2^-14); the exact Bernoulli draws of the values
+    # below 2^-24 take streams 1 to 3 (checked statistically elsewhere, and for layout independence in test_sync_noise).
     x = many_chunks(torch.float16, 1)
     x = torch.where(x.abs() < 2.0**-26, x * 2.0**-30, x)  # more values in the tiny range
     out = export_bf16(x, "stochastic", ExportState.seeded(22), torch.float16)
-    words = formulas.noise_words(22, 0, 0, torch.arange(x.numel()))
+    words = formulas.sr_noise_fp16(22, 0, torch.arange(x.numel()))
     _, exponent = torch.frexp(x.abs())  # |x| = f * 2^E, f in [1/2, 1): fp32 spacing 2^(E - 24)
     bits = torch.where(x.abs() < 2.0**-14, -exponent, 13)  # fp16 spacing: 2^-24 below 2^-14, else 2^(E - 11)
     bits = bits.clamp(max=30)  # a defined shift for the tiny ones (not checked bit for bit)
@@ -452,8 +452,10 @@ def test_export_bad_input_errors():
     for key in (-1, 1 << 64):
         with pytest.raises(ValueError, match=r"key is an int in \[0, 2\*\*64\)"):
             ExportState.seeded(key)
-    with pytest.raises(ValueError, match=r"step 2147483648 is outside \[0, 2\*\*31\).*new Exporter"):
-        export_bf16(x, "stochastic", ExportState(key=1, step=1 << 31))
+    with pytest.raises(ValueError, match=r"step 1073741824 is outside \[0, 2\*\*30\).*new Exporter"):
+        export_bf16(x, "stochastic", ExportState(key=1, step=1 << 30))
+    with pytest.raises(ValueError, match=r"reaches element 4294967300 .* covers 4294967296 elements in torch.float16"):
+        export_bf16(x, "stochastic", ExportState.seeded(1), torch.float16, offset=1 << 32)
     for offset in (-1, 1.5, True):
         with pytest.raises(ValueError, match="offset must be an int >= 0"):
             export_bf16(x, "stochastic", ExportState.seeded(1), offset=offset)

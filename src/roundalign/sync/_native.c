@@ -18,7 +18,7 @@ static inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r
 #define MIX(r) x0 += x1; x1 = rotl(x1, r); x1 ^= x0;
 #define INJECT(a, b, i) x0 += a; x1 += b + (uint32_t)(i);
 
-static inline void threefry(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t *o0, uint32_t *o1) {
+static inline __attribute__((always_inline)) void threefry(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t *o0, uint32_t *o1) {
     uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
     uint32_t x0 = c0 + k0, x1 = c1 + k1;
     MIX(13) MIX(15) MIX(26) MIX(6)  INJECT(k1, k2, 1)
@@ -28,16 +28,6 @@ static inline void threefry(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, 
     MIX(13) MIX(15) MIX(26) MIX(6)  INJECT(k2, k0, 5)
     *o0 = x0;
     *o1 = x1;
-}
-
-/* The stream's 32-bit words: word w is x0 (w even) or x1 (w odd) of the block with counter (w >> 1, c1). */
-void roundalign_words(uint32_t *out, int64_t n, uint64_t first, uint32_t k0, uint32_t k1, uint32_t c1) {
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t w = first + (uint64_t)i;
-        uint32_t x0, x1;
-        threefry(k0, k1, (uint32_t)(w >> 1), c1, &x0, &x1);
-        out[i] = (w & 1) ? x1 : x0;
-    }
 }
 
 /* bf16 stochastic rounding of fp32 bits. The noise of element g (its index in the whole tensor: first + i) is 16
@@ -70,7 +60,7 @@ static inline v8u32 vrotl(v8u32 x, int r) { return (x << r) | (x >> (32 - r)); }
 #define VMIX(r) for (int u = 0; u < U; u++) { x0[u] += x1[u]; x1[u] = vrotl(x1[u], r); x1[u] ^= x0[u]; }
 #define VINJECT(a, b, i) for (int u = 0; u < U; u++) { x0[u] += a; x1[u] += b + (uint32_t)(i); }
 
-static inline void vthreefry(uint32_t k0, uint32_t k1, v8u32 *c0, uint32_t c1, v8u32 *x0, v8u32 *x1) {
+static inline __attribute__((always_inline)) void vthreefry(uint32_t k0, uint32_t k1, v8u32 *c0, uint32_t c1, v8u32 *x0, v8u32 *x1) {
     uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
     for (int u = 0; u < U; u++) { x0[u] = c0[u] + k0; x1[u] = (v8u32){0} + (c1 + k1); }
     VMIX(13) VMIX(15) VMIX(26) VMIX(6)  VINJECT(k1, k2, 1)
@@ -121,7 +111,7 @@ void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, i
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t as_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
-static inline void ef_bf16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
+static inline __attribute__((always_inline)) void ef_bf16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
                            int fresh) {
     uint32_t *r = (uint32_t *)residual;
     for (int64_t i = 0; i < n; i++) {
@@ -143,73 +133,129 @@ void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int
     else ef_bf16(master, residual, out, n, 0);
 }
 
-/* fp16. fp32 bits -> fp16 bits for a value already on fp16's grid (or >= 2^16: inf), and NaN as torch's CPU cast
- * writes it (payload's top bits kept, quiet bit set). */
-static inline uint16_t fp16_bits_exact(uint32_t t) {
-    uint32_t sign = (t >> 16) & 0x8000u, a = t & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x7FFFFFu) >> 13)); /* NaN */
-    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7C00u);                          /* 2^16 and up, inf */
-    if (a >= 0x38800000u) return (uint16_t)(sign | ((a - 0x38000000u) >> 13));        /* normal: rebias */
-    if (a < 0x33000000u) return (uint16_t)sign;                                        /* below 2^-25: 0 */
-    uint32_t e = a >> 23, mant = (a & 0x7FFFFFu) | 0x800000u;
-    return (uint16_t)(sign | (mant >> (126 - e))); /* subnormal: a multiple of 2^-24, exactly */
+/* fp16. Written without branches: every candidate is computed and one is picked by a mask (sel), which GCC
+ * vectorises where it leaves a ?: as control flow. */
+static inline uint32_t sel(uint32_t c, uint32_t a, uint32_t b) { /* c ? a : b, for c in {0, 1} */
+    uint32_t m = 0u - c;
+    return (a & m) | (b & ~m);
 }
 
-/* fp16 SR (export.py's _stochastic_fp16, one pass): element g takes word g of stream c1 (roundalign_words' layout);
- * d low bits of it are added below fp16's grid point and truncated, d = 13 in fp16's normal range and up to 23
- * below 2^-14. Values with 0 < |x| < 2^-24 need an exact Bernoulli instead: the kernel leaves them to the caller
- * and returns how many there are. */
-int64_t roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first,
-                           uint32_t k0, uint32_t k1, uint32_t c1) {
-    int64_t tiny = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t w = first + (uint64_t)i;
-        uint32_t x0, x1;
-        threefry(k0, k1, (uint32_t)(w >> 1), c1, &x0, &x1);
-        uint32_t u = bits[i], e = (u >> 23) & 0xFFu;
-        uint32_t ec = e < 103u ? 103u : (e > 113u ? 113u : e);
-        uint32_t low = (0x800000u >> (ec - 103u)) - 1u; /* the d low bits below fp16's grid point */
-        uint32_t t = (u + (((w & 1) ? x1 : x0) & low)) & ~low; /* the rounding point: add noise, truncate */
-        out[i] = fp16_bits_exact(e == 255u ? u : t);
-        tiny += ((u - 1u) & 0x7FFFFFFFu) < 0x337FFFFFu; /* 0 < |x| < 2^-24 */
-    }
-    return tiny;
-}
+static inline uint32_t clamp_u(uint32_t x, uint32_t lo, uint32_t hi) { return sel(x < lo, lo, sel(x > hi, hi, x)); }
 
-/* RNE fp32 -> fp16 bits, as torch's cast (overflow to inf, subnormals, NaN kept quiet with its payload's top). */
-static inline uint16_t fp16_rne(uint32_t u) {
+/* RNE fp32 bits -> fp16 bits, as torch's cast: overflow from 65520 up to inf, subnormals, and NaN as torch's CPU cast
+ * writes it (the payload's top bits kept, the quiet bit set). Normal range: rebias and round half to even at fp16's
+ * last bit in integers. Below 2^-14: adding 0.5 makes the fp32 sum's last bit 2^-24, so the FPU's own RNE rounds to
+ * fp16's subnormal grid, and the sum's low bits are the fp16 bits (F. Giesen's float_to_half_fast3_rtne). A value
+ * already on fp16's grid maps to its exact bits. */
+static inline uint32_t fp16_rne(uint32_t u) {
     uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x7FFFFFu) >> 13));
-    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* from 65520 (the midpoint past 65504) up: inf */
-    if (a >= 0x38800000u) {                                   /* normal */
-        uint32_t r = a - 0x38000000u;
-        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
-    }
-    if (a < 0x33000000u) return (uint16_t)sign; /* at most 2^-25 (a tie to even 0 at exactly 2^-25): 0 */
-    uint32_t e = a >> 23, mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - e; /* 14 .. 24 */
-    uint32_t half = 1u << (shift - 1), rest = mant & ((1u << shift) - 1u), q = mant >> shift;
-    q += rest > half || (rest == half && (q & 1u)); /* round to nearest, ties to even (may carry into 2^-14) */
-    return (uint16_t)(sign | q);
+    uint32_t nan = 0x7E00u | ((a & 0x7FFFFFu) >> 13);
+    uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13; /* 65520 and up carry into inf */
+    uint32_t sub = as_bits(as_float(a) + 0.5f) - 0x3F000000u;               /* the rounding point, below 2^-14 */
+    uint32_t h = sel(a < 0x38800000u, sub, normal);
+    h = sel(a >= 0x47800000u, 0x7C00u, h); /* 2^16 and up (and inf): inf */
+    return sign | sel(a > 0x7F800000u, nan, h);
 }
 
-static inline float fp16_value(uint16_t h) { /* exact fp16 -> fp32 */
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    if (e == 31u) return as_float(sign | 0x7F800000u | (m << 13));
-    if (e) return as_float(sign | ((e + 112u) << 23) | (m << 13));
-    return (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+static inline float fp16_value(uint32_t h) { /* exact fp16 bits -> fp32 */
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t wide = sel(e == 31u, 0x7F800000u | (m << 13), ((e + 112u) << 23) | (m << 13));
+    uint32_t sub = as_bits((float)(int32_t)m * 5.9604644775390625e-08f); /* m * 2^-24, exact */
+    return as_float(sign | sel(e != 0u, wide, sub));
+}
+
+/* fp16 SR of one element with its 32-bit noise word: d low bits of it are added below fp16's grid point and
+ * truncated, d = 13 in fp16's normal range and up to 23 below 2^-14 (export.py's _stochastic_fp16). */
+static inline uint32_t sr_fp16_one(uint32_t u, uint32_t word) {
+    uint32_t e = (u >> 23) & 0xFFu;
+    uint32_t low = (0x800000u >> (clamp_u(e, 103u, 113u) - 103u)) - 1u;
+    uint32_t t = (u + (word & low)) & ~low; /* the rounding point: add noise, truncate */
+    return fp16_rne(sel(e == 255u, u, t)); /* t is on fp16's grid (or inf/NaN): exact */
+}
+
+static inline int64_t is_tiny(uint32_t u) { return ((u - 1u) & 0x7FFFFFFFu) < 0x337FFFFFu; } /* 0 < |x| < 2^-24 */
+
+/* fp16 below 2^-24 (0 < |x| < 2^-24): the neighbours are 0 and 2^-24, and p = |x| * 2^24 = M * 2^(E - 24) (M the
+ * 24-bit mantissa, E <= 0) can have ~125 fraction bits. An exact Bernoulli(p): Bernoulli(M / 2^24) from the low 24
+ * bits of one word, AND -E fair coin flips all 0 from the low 31 bits of four more (export.py's _bernoulli_dyadic).
+ * Element g's five words: (x0, x1) of block g in streams 1 and 2, x0 in stream 3. */
+static uint16_t sr_fp16_tiny(uint32_t u, uint64_t g, uint32_t k0, uint32_t k1, uint32_t c1) {
+    uint32_t w[6];
+    for (uint32_t s = 1; s <= 3; s++) threefry(k0, k1, (uint32_t)g, c1 + s, &w[2 * s - 2], &w[2 * s - 1]);
+    uint32_t y = as_bits(as_float(u & 0x7FFFFFFFu) * 16777216.0f); /* |x| * 2^24: exact, a normal fp32 */
+    uint32_t m = (y & 0x7FFFFFu) | 0x800000u, flips = 126u - (y >> 23);
+    int up = (w[0] & 0xFFFFFFu) < m;
+    for (int j = 1; j <= 4; j++) {
+        uint32_t take = flips < 31u ? flips : 31u;
+        up &= ((w[j] & 0x7FFFFFFFu) >> (31u - take)) == 0u; /* the top `take` bits of the word are all zero */
+        flips -= take;
+    }
+    return (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)up); /* +-2^-24 or +-0 */
+}
+
+/* fp16 SR: element g takes a 32-bit word, x0 of block 8 * (g >> 4) + (g & 7) if g & 8 is 0, else its x1 (16
+ * consecutive elements share 8 consecutive blocks, so each vector of words feeds 8 consecutive elements); values
+ * below 2^-24 are then redrawn by sr_fp16_tiny, in a scalar pass over the groups that hold one (they are rare). */
+static inline uint32_t fp16_word(uint32_t k0, uint32_t k1, uint32_t c1, uint64_t g) {
+    uint32_t x0, x1;
+    threefry(k0, k1, (uint32_t)(8 * (g >> 4) + (g & 7)), c1, &x0, &x1);
+    return (g & 8) ? x1 : x0;
+}
+
+static inline void sr_fp16_scalar(const uint32_t *bits, uint16_t *out, uint64_t g, uint32_t k0, uint32_t k1,
+                                  uint32_t c1) {
+    *out = is_tiny(*bits) ? sr_fp16_tiny(*bits, g, k0, k1, c1) : (uint16_t)sr_fp16_one(*bits, fp16_word(k0, k1, c1, g));
+}
+
+void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
+                        uint32_t k1, uint32_t c1) {
+    int64_t i = 0;
+    for (; i < n && ((first + (uint64_t)i) & 15); i++) sr_fp16_scalar(bits + i, out + i, first + i, k0, k1, c1);
+    const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    uint32_t base = (uint32_t)(8 * ((first + (uint64_t)i) >> 4));
+    int64_t rounds = (n - i) / (16 * U); /* U groups of 16 elements: 8 * U blocks */
+    for (int64_t q = 0; q < rounds; q++) {
+        v8u32 c0[U], x0[U], x1[U];
+        uint32_t words[16 * U];
+        for (int u = 0; u < U; u++) c0[u] = lanes + (base + 8 * (uint32_t)(U * q + u));
+        vthreefry(k0, k1, c0, c1, x0, x1);
+        for (int u = 0; u < U; u++) {
+            memcpy(words + 16 * u, &x0[u], sizeof x0[u]);
+            memcpy(words + 16 * u + 8, &x1[u], sizeof x1[u]);
+        }
+        const uint32_t *b = bits + i + 16 * U * q;
+        uint16_t *o = out + i + 16 * U * q;
+        int64_t tiny = 0;
+        for (int j = 0; j < 16 * U; j++) {
+            o[j] = (uint16_t)sr_fp16_one(b[j], words[j]);
+            tiny += is_tiny(b[j]);
+        }
+        if (tiny) { /* rare: redraw this round's values below 2^-24 */
+            uint64_t g0 = first + (uint64_t)(i + 16 * U * q);
+            for (int j = 0; j < 16 * U; j++)
+                if (is_tiny(b[j])) o[j] = sr_fp16_tiny(b[j], g0 + (uint64_t)j, k0, k1, c1);
+        }
+    }
+    for (i += 16 * U * rounds; i < n; i++) sr_fp16_scalar(bits + i, out + i, first + i, k0, k1, c1); /* tail */
 }
 
 /* fp16 error feedback, as ef_bf16 with fp16's RNE. */
-void roundalign_ef_fp16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
-                        int fresh) {
+static inline __attribute__((always_inline)) void ef_fp16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
+                           int fresh) {
+    uint32_t *r = (uint32_t *)residual;
     for (int64_t i = 0; i < n; i++) {
         float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
         uint32_t u = as_bits(v);
-        uint16_t s = fp16_rne(u); /* the rounding point */
-        int keep = (u & 0x7F800000u) != 0x7F800000u && (s & 0x7C00u) != 0x7C00u;
-        out[i] = s;
-        residual[i] = keep ? v - fp16_value(s) : 0.0f; /* exact (Sterbenz); +0 where either is not finite */
+        uint32_t s = fp16_rne(u); /* the rounding point */
+        uint32_t keep = 0u - (((u & 0x7F800000u) != 0x7F800000u) & ((s & 0x7C00u) != 0x7C00u));
+        out[i] = (uint16_t)s;
+        r[i] = as_bits(v - fp16_value(s)) & keep; /* residual = v - served, exact; +0 where either is not finite */
     }
+}
+
+void roundalign_ef_fp16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
+    if (fresh) ef_fp16(master, residual, out, n, 1);
+    else ef_fp16(master, residual, out, n, 0);
 }
 
 /* Many tensors in one call (Exporter.export: one call per thread for a whole state_dict, no per-tensor Python).
@@ -220,10 +266,10 @@ void roundalign_sr_bf16_many(int64_t count, const int64_t *desc) {
                            (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
 }
 
-void roundalign_sr_fp16_many(int64_t count, const int64_t *desc, int64_t *tiny) {
+void roundalign_sr_fp16_many(int64_t count, const int64_t *desc) {
     for (int64_t t = 0; t < count; t++, desc += 7)
-        tiny[t] = roundalign_sr_fp16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
-                                     (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
+        roundalign_sr_fp16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
+                           (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
 }
 
 void roundalign_ef_fp16_many(int64_t count, const int64_t *desc) {

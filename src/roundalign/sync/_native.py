@@ -90,13 +90,9 @@ def _build() -> ctypes.CDLL:
     lib.roundalign_sr_bf16.restype = None
     lib.roundalign_ef_bf16.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
     lib.roundalign_ef_bf16.restype = None
-    lib.roundalign_words.argtypes = [ptr, i64, u64, u32, u32, u32]
-    lib.roundalign_words.restype = None
-    for name in ("roundalign_sr_bf16_many", "roundalign_ef_bf16_many", "roundalign_ef_fp16_many"):
-        getattr(lib, name).argtypes = [i64, ptr]
-        getattr(lib, name).restype = None
-    lib.roundalign_sr_fp16_many.argtypes = [i64, ptr, ptr]  # + one int64 per item: its count of tiny values
-    lib.roundalign_sr_fp16_many.restype = None
+    for kind in _ITEMS:
+        getattr(lib, f"roundalign_{kind}_many").argtypes = [i64, ptr]
+        getattr(lib, f"roundalign_{kind}_many").restype = None
     return lib
 
 
@@ -128,26 +124,25 @@ _ITEMS = {
 _ITEMS["sr_fp16"], _ITEMS["ef_fp16"] = _ITEMS["sr_bf16"], _ITEMS["ef_bf16"]  # the same columns, 2-byte outputs
 
 
-def run_many(kind: str, items: list[tuple[int, ...]]) -> list[int]:
+def run_many(kind: str, items: list[tuple[int, ...]]) -> None:
     """Run ``roundalign_<kind>_many`` over work items (one per tensor), balanced over torch's threads.
 
     Items larger than a thread's share are cut into pieces on 32-element boundaries (the bf16 noise layout's groups),
     each piece's pointers and first element moved along; then each thread takes a contiguous run of pieces, one C
-    call for all of them. A whole state_dict costs one call per thread, not one per tensor. Returns, per item, what
-    the kernel counts (fp16 SR: the values below 2^-24 left to the caller), else zeros.
+    call for all of them. A whole state_dict costs one call per thread, not one per tensor.
     """
     spec = _ITEMS[kind]
     if not items:
-        return []
+        return
     total = sum(item[spec["n"]] for item in items)
     parts = max(1, min(torch.get_num_threads(), total // _MIN_SPLIT))
     share = (-(-total // parts) + 31) // 32 * 32
     pieces = []
-    for index, item in enumerate(items):
+    for item in items:
         n, done = item[spec["n"]], 0
         while done < n:
             take = min(share, n - done)
-            piece = [*item, index]  # the item it came from, last: not passed to the kernel
+            piece = list(item)
             for col, size in spec["pointers"]:
                 piece[col] += size * done
             piece[spec["n"]] = take
@@ -167,22 +162,12 @@ def run_many(kind: str, items: list[tuple[int, ...]]) -> list[int]:
     elif current:
         runs.append(current)
     fn = getattr(kernels(), f"roundalign_{kind}_many")
-    counted = kind == "sr_fp16"
-    arrays = [torch.tensor([p[:-1] for p in run], dtype=torch.int64) for run in runs]  # alive until the calls return
-    counts = [torch.zeros(len(run), dtype=torch.int64) for run in runs]
-    calls = [
-        (len(run), a.data_ptr(), *([c.data_ptr()] if counted else []))
-        for run, a, c in zip(runs, arrays, counts, strict=True)
-    ]
+    arrays = [torch.tensor(run, dtype=torch.int64) for run in runs]  # kept alive until every call returns
+    calls = [(len(run), a.data_ptr()) for run, a in zip(runs, arrays, strict=True)]
     if len(calls) == 1:
         fn(*calls[0])
     else:
         _in_threads(fn, calls)
-    per_item = [0] * len(items)
-    for run, c in zip(runs, counts, strict=True):
-        for piece, k in zip(run, c.tolist(), strict=True):
-            per_item[piece[-1]] += k
-    return per_item
 
 
 def _in_threads(fn, calls: list[tuple]) -> None:

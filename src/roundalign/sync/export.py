@@ -180,22 +180,16 @@ def _tiny(bits: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 def _fp16_words(state: ExportState, first: int, into: torch.Tensor) -> torch.Tensor:
-    """Fill int32 ``into`` with words ``first ..`` of stream 0 (one per element): compiled on the CPU, else torch."""
-    if _native_ok(into):
-        k0, k1 = noise.split_key(state.key)
-        lib, dst, c1 = _native.kernels(), into.data_ptr(), noise.counter_hi(state.step, 0)
-        lib.roundalign_words(dst, into.numel(), first, k0, k1, c1)
-        return into
-    index = torch.arange(first, first + into.numel(), dtype=torch.int64, device=into.device)
-    return into.copy_(noise.words(state.key, state.step, 0, index).to(torch.int32))  # wraps to int32's bits
+    """Fill int32 ``into`` with the fp16 noise words of elements ``first ..`` (noise.py's layout), in torch ops."""
+    words = noise.fp16_noise(state.key, state.step, first, into.numel(), into.device)
+    return into.copy_(words.to(torch.int32))  # wraps to int32's bits
 
 
 def _fp16_tiny(flat: torch.Tensor, out: torch.Tensor, tiny: torch.Tensor, state: ExportState, offset: int) -> None:
     """Serve the values below 2^-24 (indices ``tiny``) by their exact Bernoulli draws: 0 or 2^-24, sign kept."""
     if not tiny.numel():
         return
-    index = (8 * (tiny + offset)).unsqueeze(1) + torch.arange(5, device=flat.device)  # words 8g .. 8g + 4
-    draws = noise.words(state.key, state.step, 1, index.reshape(-1)).view(-1, 5)
+    draws = noise.tiny_draws(state.key, state.step, tiny + offset)  # element g's five words (noise.py)
     up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
     # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
     out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
@@ -207,17 +201,17 @@ def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> t
     # with d = 13 in fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and
     # d = 13 + (-14 - e) below it (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the
     # neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
-    # The draws (noise.py): element g's word g of stream 0, whose low d bits are its noise; a tiny element g's
-    # Bernoulli takes words 8g .. 8g + 4 of stream 1. Both depend on g alone, so shards export as the whole does.
+    # The draws (noise.py): element g's noise word (fp16 layout, stream 0), whose low d bits are its noise; a tiny
+    # element g's Bernoulli takes five words of streams 1 to 3. Both depend on g alone, so shards export as the
+    # whole does.
     flat = _flat(master)
     if not flat.numel():
         return master.to(torch.float16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
-    if _native_ok(flat):  # one pass: _native.c, which counts the values below 2^-24 it leaves to _fp16_tiny
+    if _native_ok(flat):  # one pass, the values below 2^-24 included: _native.c
         k0, k1 = noise.split_key(state.key)
         item = (flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, noise.counter_hi(state.step, 0))
-        if _native.run_many("sr_fp16", [item])[0]:
-            _fp16_tiny(flat, out, _tiny(flat.view(torch.int32)), state, offset)
+        _native.run_many("sr_fp16", [item])
         return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
     words = torch.empty(size, dtype=torch.int32, device=master.device)
@@ -325,7 +319,13 @@ def export_bf16(
                 "state for this tensor across steps"
             )
         noise.split_key(state.key)
-        noise.counter_hi(state.step, 1)  # in range, before anything is drawn
+        noise.counter_hi(state.step, 3)  # in range, before anything is drawn
+        limit = noise.MAX_ELEMENTS["bf16" if dtype == torch.bfloat16 else "fp16"]
+        if offset + master.numel() > limit:
+            raise ValueError(
+                f"stochastic export reaches element {offset + master.numel()} of its tensor; one noise stream covers "
+                f"{limit} elements in {dtype}: export a larger tensor as parts under different keys"
+            )
         served = (_stochastic_bf16 if dtype == torch.bfloat16 else _stochastic_fp16)(master, state, offset)
         state.step += 1
         return served
@@ -418,12 +418,7 @@ class Exporter:
                 items.append((t.data_ptr(), state.residual.data_ptr(), out.data_ptr(), t.numel(), int(fresh)))
         kind = ("sr_" if self.sync == "stochastic" else "ef_") + ("bf16" if self.dtype == torch.bfloat16 else "fp16")
         count = 2 if self.sync == "stochastic" else 3  # the column of an item's element count
-        names = [name for name, item in zip(served, items, strict=True) if item[count]]  # empty tensors: nothing
-        tiny = _native.run_many(kind, [item for item in items if item[count]])
-        for name, found in zip(names, tiny, strict=True):
-            if found:  # fp16 SR: values below 2^-24, by their exact Bernoulli draws
-                flat = _flat(master[name])
-                _fp16_tiny(flat, served[name].view(-1), _tiny(flat.view(torch.int32)), self._states[name], 0)
+        _native.run_many(kind, [item for item in items if item[count]])  # empty tensors: nothing to do
         if self.sync == "stochastic":
             for state in self._states.values():
                 state.step += 1

@@ -10,15 +10,18 @@ sequential:
   gives those elements, with no skipping ahead (``export_bf16(..., offset=)``, ``integrations.verl``);
 - the CPU kernels (``_native.c``) compute it in parallel and vectorised, fused with the rounding, in one pass.
 
-Layout. Counter ``(c0, c1)``: ``c1 = 2 * step + stream``, stream 0 the rounding noise and stream 1 fp16's extra draws
-for values below its smallest subnormal; ``c0`` the block index. Block ``c0`` gives two 32-bit words ``x0, x1``.
+Layout. Counter ``(c0, c1)``: ``c1 = 4 * step + stream``, stream 0 the rounding noise and streams 1 to 3 fp16's
+extra draws for values below its smallest subnormal; ``c0`` the block index. Block ``c0`` gives two 32-bit words
+``x0, x1``.
 
 - bf16 (16 bits per element): element ``g`` takes block ``8 * (g >> 5) + (g & 7)``, part ``(g >> 3) & 3`` of
   ``(x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16)``: 32 consecutive elements share 8 consecutive blocks, a layout
   that vectorises without shuffles.
-- 32-bit words (fp16's noise, one per element; its tiny values' Bernoulli draws): word ``w`` is ``x0`` (``w`` even)
-  or ``x1`` (odd) of block ``w >> 1``. Element ``g`` takes word ``g`` of stream 0; a tiny element ``g`` takes words
-  ``8 * g`` to ``8 * g + 4`` of stream 1.
+- fp16 (a 32-bit word per element, of which it uses up to 23 bits): element ``g`` takes ``x0`` of block
+  ``8 * (g >> 4) + (g & 7)`` if ``g & 8`` is 0, else its ``x1``: again 8 consecutive blocks feed 16 consecutive
+  elements without shuffles.
+- fp16's values below ``2^-24`` draw an exact Bernoulli from five 32-bit words: element ``g`` takes block ``g`` of
+  streams 1, 2 and 3, words ``(x0, x1)`` of stream 1, ``(x0, x1)`` of stream 2 and ``x0`` of stream 3, in order.
 
 The functions here are the stream in torch ops (int64 holding unsigned 32-bit values, masked after every add and
 shift, so no operation overflows); they run on any device, and are what the compiled kernels are tested against.
@@ -31,8 +34,9 @@ import torch
 MASK = 0xFFFFFFFF
 _ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
-MAX_STEP = (1 << 31) - 1  # c1 = 2 * step + stream must fit 32 bits
-MAX_BLOCKS = 1 << 32  # c0 is 32 bits: 2^34 elements per tensor in bf16, 2^32 words
+MAX_STEP = (1 << 30) - 1  # c1 = 4 * step + stream must fit 32 bits
+MAX_BLOCKS = 1 << 32  # c0 is 32 bits: 2^34 elements per tensor in bf16, 2^32 in fp16 (its tiny draws: block g)
+MAX_ELEMENTS = {"bf16": 1 << 34, "fp16": 1 << 32}
 
 
 def split_key(key: int) -> tuple[int, int]:
@@ -45,10 +49,10 @@ def split_key(key: int) -> tuple[int, int]:
 def counter_hi(step: int, stream: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise ValueError(
-            f"stochastic export step {step} is outside [0, 2**31): a tensor's noise stream counts its exports, and "
-            "2**31 exports of one tensor are more than any run makes; start a new Exporter (a new seed)"
+            f"stochastic export step {step} is outside [0, 2**30): a tensor's noise stream counts its exports, and "
+            "2**30 exports of one tensor are more than any run makes; start a new Exporter (a new seed)"
         )
-    return 2 * step + stream
+    return 4 * step + stream
 
 
 def threefry2x32(key: int, c0: torch.Tensor, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +73,13 @@ def threefry2x32(key: int, c0: torch.Tensor, c1: int) -> tuple[torch.Tensor, tor
     return x0, x1
 
 
-def words(key: int, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """The 32-bit words at int64 positions ``index`` of stream ``stream`` at export ``step``, as int64."""
-    x0, x1 = threefry2x32(key, index >> 1, counter_hi(step, stream))
-    return torch.where((index & 1).bool(), x1, x0)
+def tiny_draws(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """fp16's five Bernoulli words of each element index in ``elements`` (int64), shape ``(n, 5)``, as int64."""
+    words = []
+    for stream in (1, 2, 3):
+        x0, x1 = threefry2x32(key, elements, counter_hi(step, stream))
+        words += [x0, x1]
+    return torch.stack(words[:5], dim=1)
 
 
 def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -88,3 +95,17 @@ def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | s
     parts = torch.cat([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], dim=1)  # (groups, part, lane): element order
     start = first - 32 * g0
     return parts.reshape(-1)[start : start + n]
+
+
+def fp16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32-bit noise words of elements ``first .. first + n - 1`` in fp16's layout (int64 in [0, 2^32))."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    g0, g1 = first >> 4, (first + n - 1) >> 4  # the groups of 16 elements (8 blocks) the range touches
+    if 8 * (g1 + 1) > MAX_BLOCKS:
+        raise ValueError(f"tensor too large for one stochastic-rounding stream ({first + n} elements > 2**32)")
+    blocks = torch.arange(8 * g0, 8 * (g1 + 1), dtype=torch.int64, device=device)
+    x0, x1 = threefry2x32(key, blocks, counter_hi(step, 0))
+    words = torch.cat([x0.view(-1, 1, 8), x1.view(-1, 1, 8)], dim=1)  # (groups, x0 | x1, lane): element order
+    start = first - 16 * g0
+    return words.reshape(-1)[start : start + n]
