@@ -105,33 +105,8 @@ void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, i
     for (i += 32 * U * rounds; i < n; i++) sr_one(bits + i, out + i, first + i, k0, k1, c1); /* the tail */
 }
 
-/* bf16 error feedback: v = fl32(master + residual) (or master when fresh), served = RNE(v), residual = v - served
- * (exact: Sterbenz). Where v or the served value is not finite, no finite residual carries the difference: the
- * residual restarts at +0. NaN is served as torch's CPU cast serves it (0xFFFF), inf as inf. */
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t as_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-static inline __attribute__((always_inline)) void ef_bf16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
-                           int fresh) {
-    uint32_t *r = (uint32_t *)residual;
-    for (int64_t i = 0; i < n; i++) {
-        float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
-        uint32_t u = as_bits(v);
-        uint32_t finite = 0u - ((u & 0x7F800000u) != 0x7F800000u); /* all ones where v is finite */
-        uint32_t nan = 0u - ((u & 0x7FFFFFFFu) > 0x7F800000u);     /* all ones where v is NaN: served 0xFFFF */
-        /* RNE to bf16 (the rounding point): add 0x7FFF plus the kept part's lowest bit, truncate. */
-        uint32_t s = (((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) | nan) & 0xFFFFu;
-        uint32_t keep = finite & (0u - ((s & 0x7F80u) != 0x7F80u)); /* v and served both finite */
-        out[i] = (uint16_t)s;
-        r[i] = as_bits(v - as_float(s << 16)) & keep; /* residual = v - served, exact; else +0 */
-    }
-}
-
-/* Two instantiations, so that neither loop carries the branch on ``fresh``. */
-void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef_bf16(master, residual, out, n, 1);
-    else ef_bf16(master, residual, out, n, 0);
-}
 
 /* fp16. Written without branches: every candidate is computed and one is picked by a mask (sel), which GCC
  * vectorises where it leaves a ?: as control flow. */
@@ -239,23 +214,39 @@ void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, i
     for (i += 16 * U * rounds; i < n; i++) sr_fp16_scalar(bits + i, out + i, first + i, k0, k1, c1); /* tail */
 }
 
-/* fp16 error feedback, as ef_bf16 with fp16's RNE. */
-static inline __attribute__((always_inline)) void ef_fp16(const float *restrict master, float *restrict residual, uint16_t *restrict out, int64_t n,
-                           int fresh) {
+/* RNE fp32 bits -> bf16 bits: add 0x7FFF plus the kept part's lowest bit, truncate; NaN as torch's vectorised CPU
+ * cast writes it (0xFFFF). */
+static inline uint32_t bf16_rne(uint32_t u) {
+    uint32_t nan = 0u - ((u & 0x7FFFFFFFu) > 0x7F800000u);
+    return (((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) | nan) & 0xFFFFu;
+}
+
+/* Error feedback: v = fl32(master + residual) (or master when fresh), served = RNE(v), residual = v - served (exact:
+ * Sterbenz). Where v or the served value is not finite, no finite residual carries the difference: the residual
+ * restarts at +0. fresh and fp16 are constants at each call below, so each instantiation is one branch-free loop. */
+static inline __attribute__((always_inline)) void ef(const float *restrict master, float *restrict residual,
+                                                     uint16_t *restrict out, int64_t n, int fresh, int fp16) {
     uint32_t *r = (uint32_t *)residual;
     for (int64_t i = 0; i < n; i++) {
         float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
         uint32_t u = as_bits(v);
-        uint32_t s = fp16_rne(u); /* the rounding point */
-        uint32_t keep = 0u - (((u & 0x7F800000u) != 0x7F800000u) & ((s & 0x7C00u) != 0x7C00u));
+        uint32_t s = fp16 ? fp16_rne(u) : bf16_rne(u); /* the rounding point */
+        float served = fp16 ? fp16_value(s) : as_float(s << 16);
+        uint32_t inf = fp16 ? 0x7C00u : 0x7F80u; /* the served dtype's exponent field */
+        uint32_t keep = 0u - (((u & 0x7F800000u) != 0x7F800000u) & ((s & inf) != inf)); /* both finite */
         out[i] = (uint16_t)s;
-        r[i] = as_bits(v - fp16_value(s)) & keep; /* residual = v - served, exact; +0 where either is not finite */
+        r[i] = as_bits(v - served) & keep; /* residual = v - served, exact; else +0 */
     }
 }
 
+void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
+    if (fresh) ef(master, residual, out, n, 1, 0);
+    else ef(master, residual, out, n, 0, 0);
+}
+
 void roundalign_ef_fp16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef_fp16(master, residual, out, n, 1);
-    else ef_fp16(master, residual, out, n, 0);
+    if (fresh) ef(master, residual, out, n, 1, 1);
+    else ef(master, residual, out, n, 0, 1);
 }
 
 /* Many tensors in one call (Exporter.export: one call per thread for a whole state_dict, no per-tensor Python).
