@@ -86,10 +86,8 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     u32, i64, u64, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
-    lib.roundalign_sr_bf16.argtypes = [ptr, ptr, i64, u64, u32, u32, u32]
+    lib.roundalign_sr_bf16.argtypes = [ptr, ptr, i64, u64, u32, u32, u32]  # one tensor: what the tests call
     lib.roundalign_sr_bf16.restype = None
-    lib.roundalign_ef_bf16.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
-    lib.roundalign_ef_bf16.restype = None
     for kind in _ITEMS:
         getattr(lib, f"roundalign_{kind}_many").argtypes = [i64, ptr]
         getattr(lib, f"roundalign_{kind}_many").restype = None
@@ -118,8 +116,8 @@ def kernels() -> ctypes.CDLL | None:
 
 # Work item columns: where the element count is and which columns move when an item is cut (pointer, element size).
 _ITEMS = {
-    "sr_bf16": {"n": 2, "width": 7, "pointers": ((0, 4), (1, 2)), "first": 3},
-    "ef_bf16": {"n": 3, "width": 5, "pointers": ((0, 4), (1, 4), (2, 2)), "first": None},
+    "sr_bf16": {"n": 2, "pointers": ((0, 4), (1, 2)), "first": 3},
+    "ef_bf16": {"n": 3, "pointers": ((0, 4), (1, 4), (2, 2)), "first": None},
 }
 _ITEMS["sr_fp16"], _ITEMS["ef_fp16"] = _ITEMS["sr_bf16"], _ITEMS["ef_bf16"]  # the same columns, 2-byte outputs
 

@@ -109,6 +109,34 @@ def _native_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and _native.kernels() is not None
 
 
+def _kind(sync: str, dtype: torch.dtype) -> str:
+    """The compiled kernel (``_native.run_many``'s kind) of a sync mode and served dtype."""
+    return ("sr_" if sync == "stochastic" else "ef_") + ("bf16" if dtype == torch.bfloat16 else "fp16")
+
+
+def _sr_item(flat: torch.Tensor, out: torch.Tensor, state: ExportState, offset: int) -> tuple[int, ...]:
+    """An SR kernel's work item: the master's bits, the output, the count, the first index, key words, counter."""
+    k0, k1 = noise.split_key(state.key)
+    return (flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, noise.counter_hi(state.step, 0))
+
+
+def _ef_item(flat: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, fresh: bool) -> tuple[int, ...]:
+    """An EF kernel's work item: the master, the residual (read unless fresh, written), the output, the count."""
+    return (flat.data_ptr(), residual.data_ptr(), out.data_ptr(), flat.numel(), int(fresh))
+
+
+def _check_stream(state: ExportState, dtype: torch.dtype, offset: int, numel: int) -> None:
+    """SR's state and range are valid, before anything is drawn: a key, a step and elements the stream covers."""
+    noise.split_key(state.key)
+    noise.counter_hi(state.step, 3)
+    limit = noise.MAX_ELEMENTS["bf16" if dtype == torch.bfloat16 else "fp16"]
+    if offset + numel > limit:
+        raise ValueError(
+            f"stochastic export reaches element {offset + numel} of its tensor; one noise stream covers "
+            f"{limit} elements in {dtype}: export a larger tensor as parts under different keys"
+        )
+
+
 def _restore_nan(flat: torch.Tensor, out: torch.Tensor) -> None:
     """NaN masters are served as NaN (a NaN's payload + noise could carry into the exponent): in bf16 as 0xFFFF, the
     bits torch's vectorised CPU cast writes and the compiled kernels write (torch's scalar cast writes 0x7FC0, so
@@ -128,10 +156,8 @@ def _stochastic_bf16(master: torch.Tensor, state: ExportState, offset: int) -> t
     # into the exponent lands on the next binade's first value (or inf past the largest finite), which is right.
     flat = _flat(master)
     out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=master.device)
-    k0, k1 = noise.split_key(state.key)
-    c1 = noise.counter_hi(state.step, 0)
     if flat.numel() and _native_ok(flat):  # one pass, noise and rounding fused: _native.c
-        _native.run_many("sr_bf16", [(flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, c1)])
+        _native.run_many("sr_bf16", [_sr_item(flat, out, state, offset)])
         return out.reshape(master.shape)
     # The same arithmetic in torch ops, chunk by chunk (no compiler, or a GPU master).
     size = max(1, min(flat.numel(), _FORMULA_CHUNK if master.device.type == "cpu" else 1 << 24))
@@ -209,9 +235,7 @@ def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> t
         return master.to(torch.float16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
     if _native_ok(flat):  # one pass, the values below 2^-24 included: _native.c
-        k0, k1 = noise.split_key(state.key)
-        item = (flat.data_ptr(), out.data_ptr(), flat.numel(), offset, k0, k1, noise.counter_hi(state.step, 0))
-        _native.run_many("sr_fp16", [item])
+        _native.run_many("sr_fp16", [_sr_item(flat, out, state, offset)])
         return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
     words = torch.empty(size, dtype=torch.int32, device=master.device)
@@ -257,8 +281,7 @@ def _error_feedback(master: torch.Tensor, state: ExportState, dtype: torch.dtype
     flat, v = _flat(master), residual.view(-1)
     out = torch.empty(flat.numel(), dtype=dtype, device=master.device)
     if flat.numel() and _native_ok(flat):  # one pass: _native.c
-        kind = "ef_bf16" if dtype == torch.bfloat16 else "ef_fp16"
-        _native.run_many(kind, [(flat.data_ptr(), v.data_ptr(), out.data_ptr(), flat.numel(), int(fresh))])
+        _native.run_many(_kind("error-feedback", dtype), [_ef_item(flat, v, out, fresh)])
         state.residual = residual
         return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
@@ -318,14 +341,7 @@ def export_bf16(
                 "stochastic export needs a noise key per tensor: pass state=ExportState.seeded(seed) and keep that "
                 "state for this tensor across steps"
             )
-        noise.split_key(state.key)
-        noise.counter_hi(state.step, 3)  # in range, before anything is drawn
-        limit = noise.MAX_ELEMENTS["bf16" if dtype == torch.bfloat16 else "fp16"]
-        if offset + master.numel() > limit:
-            raise ValueError(
-                f"stochastic export reaches element {offset + master.numel()} of its tensor; one noise stream covers "
-                f"{limit} elements in {dtype}: export a larger tensor as parts under different keys"
-            )
+        _check_stream(state, dtype, offset, master.numel())
         served = (_stochastic_bf16 if dtype == torch.bfloat16 else _stochastic_fp16)(master, state, offset)
         state.step += 1
         return served
@@ -404,21 +420,23 @@ class Exporter:
     def _export_compiled(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``export_bf16`` of every tensor, bit for bit, as one compiled call per thread (no per-tensor Python beyond
         allocating the outputs): what makes a small model's export cost about its cast."""
+        if self.sync == "stochastic":  # every check before any state moves, as export_bf16 makes them
+            for name, t in master.items():
+                _check_stream(self._states[name], self.dtype, 0, t.numel())
         served, items = {}, []
         for name, t in master.items():
             state, out = self._states[name], torch.empty(t.shape, dtype=self.dtype)
             served[name] = out
             if self.sync == "stochastic":
-                k0, k1 = noise.split_key(state.key)
-                items.append((t.data_ptr(), out.data_ptr(), t.numel(), 0, k0, k1, noise.counter_hi(state.step, 0)))
+                item = _sr_item(t, out, state, 0)
             else:
                 fresh = state.residual is None
                 if fresh:
                     state.residual = torch.empty(t.shape, dtype=torch.float32)  # v = master: written by the kernel
-                items.append((t.data_ptr(), state.residual.data_ptr(), out.data_ptr(), t.numel(), int(fresh)))
-        kind = ("sr_" if self.sync == "stochastic" else "ef_") + ("bf16" if self.dtype == torch.bfloat16 else "fp16")
-        count = 2 if self.sync == "stochastic" else 3  # the column of an item's element count
-        _native.run_many(kind, [item for item in items if item[count]])  # empty tensors: nothing to do
+                item = _ef_item(t, state.residual, out, fresh)
+            if t.numel():  # an empty tensor: nothing for the kernels to do
+                items.append(item)
+        _native.run_many(_kind(self.sync, self.dtype), items)
         if self.sync == "stochastic":
             for state in self._states.values():
                 state.step += 1
