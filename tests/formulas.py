@@ -255,10 +255,9 @@ def tiny_draws(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
 
 
 def sr_noise_fp16(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
-    """fp16 SR noise words of elements ``g``: x0 of block ``8 * (g >> 4) + (g & 7)`` if ``g & 8`` is 0, else x1, at
-    counter high word ``4 * step``, as int64."""
+    """fp16 SR noise words of elements ``g``: bf16's 16-bit part (``sr_noise_bf16``) in the low half, x1 of block
+    ``g`` at ``4 * step + 3`` in the high half, as int64 (the low d bits are the noise, d <= 23)."""
     import numpy as np
 
-    g = elements.numpy().astype(np.uint64)
-    x0, x1 = threefry2x32(key, (8 * (g >> 4) + (g & 7)).astype(np.uint32), 4 * step)
-    return torch.from_numpy(np.where(g & 8, x1, x0).astype(np.int64))
+    _, high = threefry2x32(key, elements.numpy().astype(np.uint32), 4 * step + 3)
+    return sr_noise_bf16(key, step, elements) | (torch.from_numpy(high.astype(np.int64)) << 16)

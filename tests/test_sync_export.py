@@ -220,7 +220,8 @@ def test_stochastic_bf16_is_the_reference_given_the_stream(sync_path):
 
 def test_stochastic_fp16_is_the_reference_given_the_stream(sync_path):
     # fp16's stream: element g's word (formulas.sr_noise_fp16), whose low d bits are its noise, d = log2 of fp16's
-    # spacing over fp32's at x (13 in fp16's normal range, more below 2^-14); the exact Bernoulli draws of the values
+    # spacing over fp32's at x (13 in fp16's normal range, more below 2^-14, over 16 below 2^-17: the word's high
+    # half); the exact Bernoulli draws of the values
     # below 2^-24 take streams 1 to 3 (checked statistically elsewhere, and for layout independence in test_sync_noise).
     x = many_chunks(torch.float16, 1)
     x = torch.where(x.abs() < 2.0**-26, x * 2.0**-30, x)  # more values in the tiny range
@@ -233,6 +234,7 @@ def test_stochastic_fp16_is_the_reference_given_the_stream(sync_path):
     tiny = x.abs() < 2.0**-24
     check = torch.isfinite(x) & (x.abs() < 2.0**16) & ~(tiny & (x != 0))
     assert int(tiny.sum()) > 100 and int((check & (x.abs() < 2.0**-14)).sum()) > 1000
+    assert int((check & (x.abs() < 2.0**-17) & (x != 0)).sum()) > 1000  # the words' high half in use (d > 16)
     want = sr_reference(x[check], noise[check], bits[check], torch.float16)
     assert torch.equal(out[check].double(), want)
     assert torch.equal(torch.signbit(out[check | tiny]), torch.signbit(x[check | tiny]))

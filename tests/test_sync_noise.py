@@ -53,7 +53,8 @@ def test_compiled_kernels_are_the_documented_stream(first, n):
     # The torch formulas of fp16's words and of stream 1 (its tiny values' draws); the fp16 kernel is checked against
     # them in test_kernels_and_torch_formulas_export_the_same_bits and test_sync_export's stream tests.
     if first + n <= 1 << 32:  # fp16's stream covers 2^32 elements
-        assert torch.equal(noise.fp16_noise(key, step, first, n), formulas.sr_noise_fp16(key, step, index))
+        assert torch.equal(noise.fp16_words(key, step, index), formulas.sr_noise_fp16(key, step, index))
+        assert torch.equal(noise.bf16_noise_at(key, step, index), formulas.sr_noise_bf16(key, step, index))
         assert torch.equal(noise.tiny_draws(key, step, index), formulas.tiny_draws(key, step, index))
 
 
@@ -88,14 +89,40 @@ def test_kernels_and_torch_formulas_export_the_same_bits(dtype, threads, monkeyp
     x = _specials(3 * _native._MIN_SPLIT + 13, 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # how many pieces the kernels cut a tensor into
 
-    def run():
-        s, ef = ExportState.seeded(9), ExportState()
-        outs = [export_bf16(x, "stochastic", s, dtype, offset=12_345) for _ in range(2)]
-        outs += [export_bf16(x * (1 + k * 2.0**-10), "error-feedback", ef, dtype) for k in range(2)]
-        return [o.view(torch.int16) for o in outs] + [ef.residual.view(torch.int32)]
-
-    native, reference = _with_path("kernels", monkeypatch, run), _with_path("torch", monkeypatch, run)
+    native = _with_path("kernels", monkeypatch, lambda: _every_mode(x, dtype))
+    reference = _with_path("torch", monkeypatch, lambda: _every_mode(x, dtype))
     for a, b in zip(native, reference, strict=True):
+        assert torch.equal(a, b)
+
+
+def _every_mode(x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Two stochastic exports at an odd offset and two error-feedback steps of ``x``: their bits, residual included."""
+    s, ef = ExportState.seeded(9), ExportState()
+    outs = [export_bf16(x, "stochastic", s, dtype, offset=12_345) for _ in range(2)]
+    outs += [export_bf16(x * (1 + k * 2.0**-10), "error-feedback", ef, dtype) for k in range(2)]
+    return [o.view(torch.int16) for o in outs] + [ef.residual.view(torch.int32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flag", ["-mno-f16c", "-mno-avx512f"])
+def test_kernels_built_for_older_x86_serve_the_same_bits(flag, dtype, monkeypatch, tmp_path):
+    # The kernels adapt to the CPU they are built for: fp16's conversions use F16C where it is there (else integer
+    # RNE), and AVX-512's 32 registers take 8 Threefry chains (else 4). Builds without either serve the same bits,
+    # specials and fp16's values below 2^-17 included.
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("F16C and AVX-512 are x86 extensions: this machine builds only the portable code")
+    _kernels()
+    x = _specials(3 * _native._MIN_SPLIT + 13, 3)
+    native = _every_mode(x, dtype)
+    monkeypatch.setenv("ROUNDALIGN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_native, "_FLAGS", [*_native._FLAGS, flag])
+    monkeypatch.setattr(_native, "_state", {})
+    assert _native.kernels() is not None, _native._state
+    assert len(list((tmp_path / "sync-kernels").glob("*.so"))) == 1  # built with the flag, not the cached build
+    older = _every_mode(x, dtype)
+    for a, b in zip(native, older, strict=True):
         assert torch.equal(a, b)
 
 

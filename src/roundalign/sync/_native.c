@@ -3,12 +3,15 @@
  * Compiled at first use by roundalign/sync/_native.py with the machine's C compiler (the compiler the fused ops
  * already need) and called through ctypes, which releases the GIL so that threads export disjoint ranges at once.
  * Each kernel is the same arithmetic as the torch formulas in roundalign/sync/noise.py and export.py (which run where
- * no compiler is found, and on GPUs); tests/test_sync_native.py checks them bitwise against each other and against
+ * no compiler is found, and on GPUs); tests/test_sync_noise.py checks them bitwise against each other and against
  * Threefry's published known answers. Integer arithmetic is unsigned 32-bit (wrapping is defined); the only float
  * operations are error feedback's fp32 add and subtract, compiled without contraction (-ffp-contract=off).
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC'11;
  * JAX's default generator): a keyed bijection of a 64-bit counter, so any word of the stream is computed from its
@@ -53,7 +56,12 @@ static inline uint32_t noise16(uint32_t k0, uint32_t k1, uint32_t c1, uint64_t g
  * compile to AVX2 (or whatever the CPU has) without intrinsics. */
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef float v8f32 __attribute__((vector_size(32)));
+#ifdef __AVX512VL__
+enum { U = 8 }; /* 32 vector registers hold 8 chains' state; 16 (AVX2) hold 4 */
+#else
 enum { U = 4 };
+#endif
 
 static inline v8u32 vrotl(v8u32 x, int r) { return (x << r) | (x >> (32 - r)); }
 
@@ -139,16 +147,61 @@ static inline float fp16_value(uint32_t h) { /* exact fp16 bits -> fp32 */
     return as_float(sign | sel(e != 0u, wide, sub));
 }
 
-/* fp16 SR of one element with its 32-bit noise word: d low bits of it are added below fp16's grid point and
- * truncated, d = 13 in fp16's normal range and up to 23 below 2^-14 (export.py's _stochastic_fp16). */
-static inline uint32_t sr_fp16_one(uint32_t u, uint32_t word) {
+/* fp16 SR's rounding point on fp32 bits: the low d bits of `word` are added below fp16's grid point and truncated,
+ * d = 13 in fp16's normal range and up to 23 below 2^-14 (export.py's _stochastic_fp16). The result is on fp16's grid
+ * (or 2^16 and up, or inf/NaN passed through): its conversion to fp16 is exact. */
+static inline uint32_t sr_fp16_grid(uint32_t u, uint32_t word) {
     uint32_t e = (u >> 23) & 0xFFu;
-    uint32_t low = (0x800000u >> (clamp_u(e, 103u, 113u) - 103u)) - 1u;
+    uint32_t low = (0x2000u << (10u - clamp_u(e, 103u, 113u) + 103u)) - 1u; /* 2^d - 1, d = 13 + (113 - e) */
     uint32_t t = (u + (word & low)) & ~low; /* the rounding point: add noise, truncate */
-    return fp16_rne(sel(e == 255u, u, t)); /* t is on fp16's grid (or inf/NaN): exact */
+    return sel(e == 255u, u, t);
 }
 
-static inline int64_t is_tiny(uint32_t u) { return ((u - 1u) & 0x7FFFFFFFu) < 0x337FFFFFu; } /* 0 < |x| < 2^-24 */
+/* The exact conversion of an fp32 on fp16's grid: F16C's where the CPU has it (the instruction torch's cast uses),
+ * else the integer RNE above; both give the same bits (NaN included: quiet bit set, the payload's top bits kept). */
+static inline uint16_t to_fp16(uint32_t t) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(as_float(t), _MM_FROUND_TO_NEAREST_INT);
+#else
+    return (uint16_t)fp16_rne(t);
+#endif
+}
+
+static inline void store8_fp16(uint16_t *p, v8u32 t) {
+#ifdef __F16C__
+    __m128i h = _mm256_cvtps_ph((__m256)t, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(p, &h, sizeof h);
+#else
+    for (int k = 0; k < 8; k++) p[k] = (uint16_t)fp16_rne(t[k]);
+#endif
+}
+
+static inline v8u32 vsel(v8u32 m, v8u32 a, v8u32 b) { return (a & m) | (b & ~m); } /* m ? a : b, m all ones or 0 */
+
+static inline int any8(v8u32 m) { /* any lane set */
+    uint32_t any = 0;
+    for (int k = 0; k < 8; k++) any |= m[k];
+    return any != 0;
+}
+
+static inline v8u32 vmin(v8u32 a, v8u32 b) { /* unsigned; GCC does not see a min in the select form */
+#ifdef __AVX2__
+    return (v8u32)_mm256_min_epu32((__m256i)a, (__m256i)b);
+#else
+    return vsel((v8u32)(a < b), a, b);
+#endif
+}
+
+static inline v8u32 sr_fp16_grid8(v8u32 u, v8u32 word) { /* sr_fp16_grid on 8 lanes, in fewer operations */
+    const v8u32 top = (v8u32){0} + 113u, ten = (v8u32){0} + 10u, one = (v8u32){0} + 1u;
+    v8u32 e = (u >> 23) & 0xFFu;
+    v8u32 low = ((((v8u32){0} + 0x2000u) << vmin(top - vmin(e, top), ten)) - one); /* clamp(e, 103, 113) again */
+    v8u32 t = (u + (word & low)) & ~low; /* the rounding point: add noise, truncate */
+    return vsel((v8u32)(e == 255u), u, t);
+}
+
+static inline int64_t is_tiny(uint32_t u) { return ((u - 1u) & 0x7FFFFFFFu) < 0x337FFFFFu; }  /* 0 < |x| < 2^-24 */
+static inline int64_t is_small(uint32_t u) { return ((u - 1u) & 0x7FFFFFFFu) < 0x36FFFFFFu; } /* 0 < |x| < 2^-17 */
 
 /* fp16 below 2^-24 (0 < |x| < 2^-24): the neighbours are 0 and 2^-24, and p = |x| * 2^24 = M * 2^(E - 24) (M the
  * 24-bit mantissa, E <= 0) can have ~125 fraction bits. An exact Bernoulli(p): Bernoulli(M / 2^24) from the low 24
@@ -168,50 +221,52 @@ static uint16_t sr_fp16_tiny(uint32_t u, uint64_t g, uint32_t k0, uint32_t k1, u
     return (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)up); /* +-2^-24 or +-0 */
 }
 
-/* fp16 SR: element g takes a 32-bit word, x0 of block 8 * (g >> 4) + (g & 7) if g & 8 is 0, else its x1 (16
- * consecutive elements share 8 consecutive blocks, so each vector of words feeds 8 consecutive elements); values
- * below 2^-24 are then redrawn by sr_fp16_tiny, in a scalar pass over the groups that hold one (they are rare). */
-static inline uint32_t fp16_word(uint32_t k0, uint32_t k1, uint32_t c1, uint64_t g) {
-    uint32_t x0, x1;
-    threefry(k0, k1, (uint32_t)(8 * (g >> 4) + (g & 7)), c1, &x0, &x1);
-    return (g & 8) ? x1 : x0;
-}
-
-static inline void sr_fp16_scalar(const uint32_t *bits, uint16_t *out, uint64_t g, uint32_t k0, uint32_t k1,
-                                  uint32_t c1) {
-    *out = is_tiny(*bits) ? sr_fp16_tiny(*bits, g, k0, k1, c1) : (uint16_t)sr_fp16_one(*bits, fp16_word(k0, k1, c1, g));
+/* fp16 SR's noise is bf16's 16-bit part (noise16, the same layout): enough down to 2^-17, where fp16's grid drops
+ * at most 16 fp32 bits. From 2^-24 to 2^-17 (up to 23 bits) element g's part is extended by x1 of block g in
+ * stream 3 (the word its tiny-value draws leave unused) as bits 16 and up; below 2^-24 sr_fp16_tiny draws. Both
+ * are rare in weights, so the vector loop below rounds every element with its 16-bit part and redoes them. */
+static inline uint16_t sr_fp16_scalar(uint32_t u, uint64_t g, uint32_t k0, uint32_t k1, uint32_t c1) {
+    if (is_tiny(u)) return sr_fp16_tiny(u, g, k0, k1, c1);
+    uint32_t word = noise16(k0, k1, c1, g);
+    if (is_small(u)) {
+        uint32_t x0, x1;
+        threefry(k0, k1, (uint32_t)g, c1 + 3, &x0, &x1);
+        word |= x1 << 16;
+    }
+    return to_fp16(sr_fp16_grid(u, word));
 }
 
 void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
                         uint32_t k1, uint32_t c1) {
     int64_t i = 0;
-    for (; i < n && ((first + (uint64_t)i) & 15); i++) sr_fp16_scalar(bits + i, out + i, first + i, k0, k1, c1);
-    const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    uint32_t base = (uint32_t)(8 * ((first + (uint64_t)i) >> 4));
-    int64_t rounds = (n - i) / (16 * U); /* U groups of 16 elements: 8 * U blocks */
-    for (int64_t q = 0; q < rounds; q++) {
-        v8u32 c0[U], x0[U], x1[U];
-        uint32_t words[16 * U];
+    for (; i < n && ((first + (uint64_t)i) & 31); i++) out[i] = sr_fp16_scalar(bits[i], first + i, k0, k1, c1);
+    const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7}, low = (v8u32){0} + 0xFFFFu, abs = (v8u32){0} + 0x7FFFFFFFu;
+    const v8u32 one = (v8u32){0} + 1u, small = (v8u32){0} + 0x36FFFFFFu, none = (v8u32){0} + 0xFFFFFFFFu;
+    int64_t rounds = (n - i) / (32 * U);
+    uint32_t base = (uint32_t)(8 * ((first + (uint64_t)i) >> 5));
+    for (int64_t q = 0; q < rounds; q++) { /* U groups of 32 elements: 8 * U blocks, bf16's layout */
+        v8u32 c0[U], x0[U], x1[U], least = none; /* the least |x| - 1 of the round (+-0: the largest) */
         for (int u = 0; u < U; u++) c0[u] = lanes + (base + 8 * (uint32_t)(U * q + u));
         vthreefry(k0, k1, c0, c1, x0, x1);
         for (int u = 0; u < U; u++) {
-            memcpy(words + 16 * u, &x0[u], sizeof x0[u]);
-            memcpy(words + 16 * u + 8, &x1[u], sizeof x1[u]);
+            const uint32_t *b = bits + i + 32 * (U * q + u);
+            uint16_t *o = out + i + 32 * (U * q + u);
+            v8u32 parts[4] = {x0[u] & low, x0[u] >> 16, x1[u] & low, x1[u] >> 16};
+            for (int p = 0; p < 4; p++) {
+                v8u32 v = load8(b + 8 * p);
+                store8_fp16(o + 8 * p, sr_fp16_grid8(v, parts[p]));
+                least = vmin(least, (v - one) & abs);
+            }
         }
-        const uint32_t *b = bits + i + 16 * U * q;
-        uint16_t *o = out + i + 16 * U * q;
-        int64_t tiny = 0;
-        for (int j = 0; j < 16 * U; j++) {
-            o[j] = (uint16_t)sr_fp16_one(b[j], words[j]);
-            tiny += is_tiny(b[j]);
-        }
-        if (tiny) { /* rare: redraw this round's values below 2^-24 */
-            uint64_t g0 = first + (uint64_t)(i + 16 * U * q);
-            for (int j = 0; j < 16 * U; j++)
-                if (is_tiny(b[j])) o[j] = sr_fp16_tiny(b[j], g0 + (uint64_t)j, k0, k1, c1);
-        }
+        if (any8((v8u32)(least < small))) /* rare: values 0 < |x| < 2^-17 in this round, redone with their whole word */
+            for (int64_t j = i + 32 * U * q; j < i + 32 * U * (q + 1); j += 8) {
+                v8u32 redo = (v8u32)(((load8(bits + j) - one) & abs) < small);
+                if (any8(redo))
+                    for (int k = 0; k < 8; k++)
+                        if (redo[k]) out[j + k] = sr_fp16_scalar(bits[j + k], first + j + k, k0, k1, c1);
+            }
     }
-    for (i += 16 * U * rounds; i < n; i++) sr_fp16_scalar(bits + i, out + i, first + i, k0, k1, c1); /* tail */
+    for (i += 32 * U * rounds; i < n; i++) out[i] = sr_fp16_scalar(bits[i], first + i, k0, k1, c1); /* the tail */
 }
 
 /* RNE fp32 bits -> bf16 bits: add 0x7FFF plus the kept part's lowest bit, truncate; NaN as torch's vectorised CPU
@@ -227,7 +282,29 @@ static inline uint32_t bf16_rne(uint32_t u) {
 static inline __attribute__((always_inline)) void ef(const float *restrict master, float *restrict residual,
                                                      uint16_t *restrict out, int64_t n, int fresh, int fp16) {
     uint32_t *r = (uint32_t *)residual;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#ifdef __F16C__
+    if (fp16) /* 8 at a time with F16C's conversions both ways; the scalar loop below does the rest, the same bits */
+        for (; i + 8 <= n; i += 8) {
+            v8f32 v;
+            memcpy(&v, master + i, sizeof v);
+            if (!fresh) {
+                v8f32 w;
+                memcpy(&w, residual + i, sizeof w);
+                v = v + w; /* EF's one rounding of the sum (fp32) */
+            }
+            __m128i s = _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT); /* the rounding point */
+            v8f32 served = (v8f32)_mm256_cvtph_ps(s);
+            v8u16 h;
+            memcpy(&h, &s, sizeof h);
+            memcpy(out + i, &h, sizeof h);
+            v8u32 u = (v8u32)v, hs = __builtin_convertvector(h, v8u32);
+            v8u32 keep = (v8u32)((u & 0x7F800000u) != 0x7F800000u) & (v8u32)((hs & 0x7C00u) != 0x7C00u);
+            v8u32 rest = (v8u32)(v - served) & keep; /* residual = v - served, exact; else +0 */
+            memcpy(r + i, &rest, sizeof rest);
+        }
+#endif
+    for (; i < n; i++) {
         float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
         uint32_t u = as_bits(v);
         uint32_t s = fp16 ? fp16_rne(u) : bf16_rne(u); /* the rounding point */

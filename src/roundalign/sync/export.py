@@ -191,24 +191,32 @@ def _bernoulli_dyadic(y: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     return accept
 
 
-def _tiny(bits: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The indices, in order, of the fp32 values (int32 ``bits``) with ``0 < |x| < 2^-24``: fp16's tiny range.
+_TINY, _SMALL = 0x33800000, 0x37000000  # the fp32 bits of 2^-24 and of 2^-17
+
+
+def _below(bits: torch.Tensor, limit: int, block: int = 1024) -> torch.Tensor:
+    """The indices, in order, of the fp32 values (int32 ``bits``) with ``0 < |x| < limit`` (``limit`` as fp32 bits).
 
     They are few, and a comparison that writes a bool per element is slow on the CPU (as slow as ten int32 passes),
     so an int32 key's minimum per block of ``block`` elements first finds the blocks that hold one.
     """
     key = (bits - 1).bitwise_and_(0x7FFFFFFF)  # |x| - 1 as an int; +0 and -0 map to the top instead of -1
     whole = key.numel() // block * block
-    found = (key[:whole].view(-1, block).amin(1) < 0x337FFFFF).nonzero().squeeze(1).tolist()  # 2^-24 = 0x33800000
-    pieces = [(key[b * block : (b + 1) * block] < 0x337FFFFF).nonzero().squeeze(1) + b * block for b in found]
-    pieces.append((key[whole:] < 0x337FFFFF).nonzero().squeeze(1) + whole)
+    found = (key[:whole].view(-1, block).amin(1) < limit - 1).nonzero().squeeze(1).tolist()
+    pieces = [(key[b * block : (b + 1) * block] < limit - 1).nonzero().squeeze(1) + b * block for b in found]
+    pieces.append((key[whole:] < limit - 1).nonzero().squeeze(1) + whole)
     return torch.cat(pieces)
 
 
-def _fp16_words(state: ExportState, first: int, into: torch.Tensor) -> torch.Tensor:
-    """Fill int32 ``into`` with the fp16 noise words of elements ``first ..`` (noise.py's layout), in torch ops."""
-    words = noise.fp16_noise(state.key, state.step, first, into.numel(), into.device)
-    return into.copy_(words.to(torch.int32))  # wraps to int32's bits
+def _fp16_grid(bits: torch.Tensor, words: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """fp16 SR's rounding point on int32 fp32 ``bits``: the low d bits of int32 ``words`` (overwritten) are added
+    below fp16's grid point and truncated; the result (fp32, on fp16's grid, so its cast is exact) is ``words``."""
+    e = torch.bitwise_right_shift(bits, 23, out=scratch).bitwise_and_(0xFF)  # biased exponent of |x|
+    # 2^d = 2^(126 - e) for e in [103, 113] (2^-24 <= |x| < 2^-14), 2^13 above, 2^23 below: 2^23 >> (e - 103).
+    top = torch.tensor([1 << 23], dtype=torch.int32, device=bits.device)
+    low = torch.bitwise_right_shift(top, e.clamp_(103, 113).sub_(103), out=e).sub_(1)  # the low d bits
+    words.bitwise_and_(low).add_(bits)  # uniform in [0, 2^d), added below fp16's grid point
+    return words.bitwise_or_(low).bitwise_xor_(low).view(torch.float32)  # truncation: the rounding point
 
 
 def _fp16_tiny(flat: torch.Tensor, out: torch.Tensor, tiny: torch.Tensor, state: ExportState, offset: int) -> None:
@@ -227,37 +235,35 @@ def _stochastic_fp16(master: torch.Tensor, state: ExportState, offset: int) -> t
     # with d = 13 in fp16's normal range (and above it: 2^16 and up becomes inf in the final cast) and
     # d = 13 + (-14 - e) below it (e = |x|'s binary exponent), which stays <= 23 for |x| >= 2^-24. Below 2^-24 the
     # neighbours are 0 and 2^-24 and p = |x| * 2^24 can have up to ~125 fraction bits: an exact Bernoulli.
-    # The draws (noise.py): element g's noise word (fp16 layout, stream 0), whose low d bits are its noise; a tiny
-    # element g's Bernoulli takes five words of streams 1 to 3. Both depend on g alone, so shards export as the
-    # whole does.
+    # The draws (noise.py): element g's noise word, whose low d bits are its noise: bf16's 16-bit part, extended by a
+    # stream-3 word only below 2^-17 (d > 16); a tiny element g's Bernoulli takes five words of streams 1 to 3. All
+    # depend on g alone, so shards export as the whole does.
     flat = _flat(master)
     if not flat.numel():
         return master.to(torch.float16)  # nothing to draw
     out = torch.empty(flat.numel(), dtype=torch.float16, device=master.device)
-    if _native_ok(flat):  # one pass, the values below 2^-24 included: _native.c
+    if _native_ok(flat):  # one pass, the values below 2^-17 included: _native.c
         _native.run_many("sr_fp16", [_sr_item(flat, out, state, offset)])
         return out.reshape(master.shape)
     size = _chunk(flat.numel(), master.device)
     words = torch.empty(size, dtype=torch.int32, device=master.device)
     scratch = torch.empty(size, dtype=torch.int32, device=master.device)  # exponents, then the low-bit masks
-    top = torch.tensor([1 << 23], dtype=torch.int32, device=master.device)
-    exponents = []  # per chunk: the least and largest biased fp32 exponent
+    extremes = []  # per chunk: the least and largest |x| as int32 bits
     for i, (chunk_bits, served) in enumerate(zip(flat.view(torch.int32).split(size), out.split(size), strict=True)):
         n = chunk_bits.numel()
-        noise_words = _fp16_words(state, offset + i * size, words[:n])
-        e = torch.bitwise_right_shift(chunk_bits, 23, out=scratch[:n]).bitwise_and_(0xFF)  # biased exponent of |x|
-        exponents.append(torch.aminmax(e))  # 255: inf/nan; below 103: zero or |x| < 2^-24
-        # 2^d = 2^(126 - e) for e in [103, 113] (2^-24 <= |x| < 2^-14), 2^13 above, 2^23 below: 2^23 >> (e - 103).
-        low = torch.bitwise_right_shift(top, e.clamp_(103, 113).sub_(103), out=e).sub_(1)  # the low d bits
-        noise_words.bitwise_and_(low).add_(chunk_bits)  # uniform in [0, 2^d), added below fp16's grid point
-        rounded = noise_words.bitwise_or_(low).bitwise_xor_(low).view(torch.float32)  # truncation: the rounding point
-        served.copy_(rounded)  # exact on fp16's grid; 2^16 and above -> inf
-    lo, hi = torch.stack([torch.stack(pair) for pair in exponents]).unbind(1)
+        part = noise.bf16_noise(state.key, state.step, offset + i * size, n, master.device)  # d <= 16 down to 2^-17
+        served.copy_(_fp16_grid(chunk_bits, words[:n].copy_(part), scratch[:n]))  # exact; 2^16 and above -> inf
+        extremes.append(torch.aminmax(chunk_bits & 0x7FFFFFFF))
+    lo, hi = torch.stack([torch.stack(pair) for pair in extremes]).unbind(1)
     bits = flat.view(torch.int32)
-    tiny = [_tiny(bits[i * size : (i + 1) * size]) + i * size for i in (lo < 103).nonzero().squeeze(1).tolist()]
-    tiny = torch.cat(tiny) if tiny else torch.zeros(0, dtype=torch.int64, device=master.device)
-    _fp16_tiny(flat, out, tiny, state, offset)
-    if bool((hi == 255).any()):  # a NaN's payload + noise can carry into the exponent or the sign
+    # Below 2^-17 (zeros aside) the noise needs the word's high half: those elements again, with their whole word.
+    small = [_below(bits[i * size : (i + 1) * size], _SMALL) + i * size for i in (lo < _SMALL).nonzero()[:, 0].tolist()]
+    small = torch.cat(small) if small else torch.zeros(0, dtype=torch.int64, device=master.device)
+    if small.numel():
+        whole = noise.fp16_words(state.key, state.step, small + offset).to(torch.int32)  # wraps to int32's bits
+        out[small] = _fp16_grid(bits[small], whole, torch.empty_like(whole)).to(torch.float16)
+    _fp16_tiny(flat, out, small[(bits[small] & 0x7FFFFFFF) < _TINY], state, offset)  # +-0 is not in `small`
+    if bool((hi > 0x7F800000).any()):  # a NaN's payload + noise can carry into the exponent or the sign
         _restore_nan(flat, out)
     return out.reshape(master.shape)
 
@@ -420,22 +426,29 @@ class Exporter:
     def _export_compiled(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``export_bf16`` of every tensor, bit for bit, as one compiled call per thread (no per-tensor Python beyond
         allocating the outputs): what makes a small model's export cost about its cast."""
-        if self.sync == "stochastic":  # every check before any state moves, as export_bf16 makes them
+        stochastic = self.sync == "stochastic"
+        if stochastic:  # every check before any state moves, as export_bf16 makes them; keys split once per tensor
+            keys = self.__dict__.setdefault("_key_words", {})
             for name, t in master.items():
-                _check_stream(self._states[name], self.dtype, 0, t.numel())
+                state = self._states[name]
+                if keys.get(name, (None,))[0] != state.key:
+                    _check_stream(state, self.dtype, 0, t.numel())
+                    keys[name] = (state.key, *noise.split_key(state.key))
+                noise.counter_hi(state.step, 3)  # the step is in range
         served, items = {}, []
         for name, t in master.items():
             state, out = self._states[name], torch.empty(t.shape, dtype=self.dtype)
             served[name] = out
-            if self.sync == "stochastic":
-                item = _sr_item(t, out, state, 0)
+            if not t.numel():  # an empty tensor: nothing for the kernels to do
+                continue
+            if stochastic:
+                _, k0, k1 = keys[name]
+                items.append((t.data_ptr(), out.data_ptr(), t.numel(), 0, k0, k1, 4 * state.step))  # as _sr_item
             else:
                 fresh = state.residual is None
                 if fresh:
                     state.residual = torch.empty(t.shape, dtype=torch.float32)  # v = master: written by the kernel
-                item = _ef_item(t, state.residual, out, fresh)
-            if t.numel():  # an empty tensor: nothing for the kernels to do
-                items.append(item)
+                items.append(_ef_item(t, state.residual, out, fresh))
         _native.run_many(_kind(self.sync, self.dtype), items)
         if self.sync == "stochastic":
             for state in self._states.values():

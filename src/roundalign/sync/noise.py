@@ -17,11 +17,12 @@ extra draws for values below its smallest subnormal; ``c0`` the block index. Blo
 - bf16 (16 bits per element): element ``g`` takes block ``8 * (g >> 5) + (g & 7)``, part ``(g >> 3) & 3`` of
   ``(x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16)``: 32 consecutive elements share 8 consecutive blocks, a layout
   that vectorises without shuffles.
-- fp16 (a 32-bit word per element, of which it uses up to 23 bits): element ``g`` takes ``x0`` of block
-  ``8 * (g >> 4) + (g & 7)`` if ``g & 8`` is 0, else its ``x1``: again 8 consecutive blocks feed 16 consecutive
-  elements without shuffles.
+- fp16 (up to 23 bits per element): element ``g``'s 32-bit word is bf16's 16-bit part in its low half and ``x1``
+  of block ``g`` in stream 3 in its high half; its low ``d`` bits are the noise. ``d <= 16`` for ``|x| >= 2^-17``,
+  so only values below that (rare in weights) need the high half, and the kernels compute it only for them.
 - fp16's values below ``2^-24`` draw an exact Bernoulli from five 32-bit words: element ``g`` takes block ``g`` of
-  streams 1, 2 and 3, words ``(x0, x1)`` of stream 1, ``(x0, x1)`` of stream 2 and ``x0`` of stream 3, in order.
+  streams 1, 2 and 3, words ``(x0, x1)`` of stream 1, ``(x0, x1)`` of stream 2 and ``x0`` of stream 3, in order
+  (stream 3's ``x1`` is the high half above; a value uses one or the other, never both).
 
 The functions here are the stream in torch ops (int64 holding unsigned 32-bit values, masked after every add and
 shift, so no operation overflows); they run on any device, and are what the compiled kernels are tested against.
@@ -102,6 +103,17 @@ def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | s
     return _grouped(key, step, first, n, 32, lambda x0, x1: [x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], device)
 
 
-def fp16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 32-bit noise words of elements ``first .. first + n - 1`` in fp16's layout (int64 in [0, 2^32))."""
-    return _grouped(key, step, first, n, 16, lambda x0, x1: [x0, x1], device)
+def bf16_noise_at(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """The 16-bit noise of the element indices in ``elements`` (int64), one Threefry block per element."""
+    blocks = 8 * (elements >> 5) + (elements & 7)
+    x0, x1 = threefry2x32(key, blocks, counter_hi(step, 0))
+    part = (elements >> 3) & 3
+    word = torch.where(part >= 2, x1, x0)
+    return torch.where((part & 1) == 1, word >> 16, word & 0xFFFF)
+
+
+def fp16_words(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
+    """fp16's whole 32-bit noise words of the element indices in ``elements`` (int64 in [0, 2^32)): bf16's part in
+    the low half, ``x1`` of block ``g`` in stream 3 in the high half."""
+    _, high = threefry2x32(key, elements, counter_hi(step, 3))
+    return bf16_noise_at(key, step, elements) | (high << 16)
