@@ -72,15 +72,24 @@ def test_decode_equals_prefill_bit_for_bit(probed):
         assert r.logprobs == prefill  # floats as written: exact
 
 
-@pytest.mark.parametrize("probed", ["compiled"], indirect=True)
-def test_compiled_profile_is_closer_than_stock_hf(probed):
-    """The default mode's rounding locations are far from HF's; its built-in profile must close a clear part of it
-    (measured on 2,000 tokens: RMS log-ratio 0.0069 -> 0.0044). Eager mode differs from HF by kernels more than by
-    rounding on this CPU (docs/real-engines.md), so only the compiled mode has a margin to assert here."""
-    mode, _, report = probed
+def test_compiled_profile_is_closer_than_stock_hf(engine_python, tmp_path):
+    """The default mode's rounding locations are far from HF's; its built-in profile must come closer on every
+    metric, with a clear margin in bitwise-equal tokens. On 2,000 tokens (16 completions to 125, the configuration of
+    docs/real-engines.md): on a Zen 3 EPYC (AVX2) 34.8% -> 40.9% equal, RMS log-ratio 0.0069 -> 0.0044; on a Zen 4
+    EPYC (AVX512-BF16) 32.4% -> 43.3%, RMS 0.0033 -> 0.0011. The RMS of this confident model is carried by a few
+    tokens, so it needs this many: on the shared fixture's 192 tokens the Zen 4 RMS came out the other way
+    (0.00014 -> 0.00062) while the bitwise fraction rose, and at 20 x 100 tokens the RMS ratio was 0.86 but 0.34 here.
+    Eager mode differs from HF by kernels more than by rounding (docs/real-engines.md): no margin to assert there."""
+    out = tmp_path / "probe"
+    argv = ["probe", "--engine", "vllm", "--engine-python", engine_python, "--out", str(out), "--no-plots"]
+    argv += ["--num-samples", "16", "--max-tokens", "125", "--trainer-profiles", f"hf,{BUILT_IN['compiled']}"]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
     by = {(c["trainer_profile"], c["reference"]): c["metrics"] for c in report["comparisons"]}
     for ref in ("decode", "prefill"):
-        assert by[(BUILT_IN[mode], ref)][RMS] < 0.85 * by[("hf", ref)][RMS]
+        built_in, hf = by[(BUILT_IN["compiled"], ref)], by[("hf", ref)]
+        assert built_in[EQUAL] >= hf[EQUAL] + 0.04
+        assert built_in[RMS] < hf[RMS] and built_in[K3] < hf[K3]
 
 
 @pytest.mark.parametrize("probed", ["compiled"], indirect=True)  # calibrate runs the fit on the eager dump
