@@ -426,24 +426,17 @@ class Exporter:
     def _export_compiled(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``export_bf16`` of every tensor, bit for bit, as one compiled call per thread (no per-tensor Python beyond
         allocating the outputs): what makes a small model's export cost about its cast."""
-        stochastic = self.sync == "stochastic"
-        if stochastic:  # every check before any state moves, as export_bf16 makes them; keys split once per tensor
-            keys = self.__dict__.setdefault("_key_words", {})
+        if self.sync == "stochastic":  # every check before any state moves, as export_bf16 makes them
             for name, t in master.items():
-                state = self._states[name]
-                if keys.get(name, (None,))[0] != state.key:
-                    _check_stream(state, self.dtype, 0, t.numel())
-                    keys[name] = (state.key, *noise.split_key(state.key))
-                noise.counter_hi(state.step, 3)  # the step is in range
+                _check_stream(self._states[name], self.dtype, 0, t.numel())
         served, items = {}, []
         for name, t in master.items():
             state, out = self._states[name], torch.empty(t.shape, dtype=self.dtype)
             served[name] = out
             if not t.numel():  # an empty tensor: nothing for the kernels to do
                 continue
-            if stochastic:
-                _, k0, k1 = keys[name]
-                items.append((t.data_ptr(), out.data_ptr(), t.numel(), 0, k0, k1, 4 * state.step))  # as _sr_item
+            if self.sync == "stochastic":
+                items.append(_sr_item(t, out, state, 0))
             else:
                 fresh = state.residual is None
                 if fresh:
