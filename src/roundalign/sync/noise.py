@@ -83,24 +83,20 @@ def tiny_draws(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
     return torch.stack(words[:5], dim=1)
 
 
-def _grouped(key: int, step: int, first: int, n: int, group: int, parts, device) -> torch.Tensor:
-    """Noise of elements ``first .. first + n - 1`` where each group of ``group`` elements takes 8 consecutive blocks,
-    ``parts(x0, x1)`` listing, in element order, what each lane of the group's blocks gives (int64)."""
+def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16-bit noise of elements ``first .. first + n - 1`` (int64), one Threefry block per 4 elements: each group
+    of 32 elements takes 8 consecutive blocks, whose 4 parts, lane by lane, are the group's elements in order."""
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    g0, g1 = first // group, (first + n - 1) // group  # the groups the range touches
+    g0, g1 = first // 32, (first + n - 1) // 32  # the groups the range touches
     if 8 * (g1 + 1) > MAX_BLOCKS:
         raise ValueError(f"tensor too large for one stochastic-rounding stream ({first + n} elements)")
     blocks = torch.arange(8 * g0, 8 * (g1 + 1), dtype=torch.int64, device=device)
     x0, x1 = threefry2x32(key, blocks, counter_hi(step, 0))
-    words = torch.cat(parts(x0.view(-1, 1, 8), x1.view(-1, 1, 8)), dim=1)  # (groups, part, lane): element order
-    start = first - group * g0
+    x0, x1 = x0.view(-1, 1, 8), x1.view(-1, 1, 8)
+    words = torch.cat([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], dim=1)  # (groups, part, lane): element order
+    start = first - 32 * g0
     return words.reshape(-1)[start : start + n]
-
-
-def bf16_noise(key: int, step: int, first: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16-bit noise of elements ``first .. first + n - 1`` (int64), one Threefry block per 4 elements."""
-    return _grouped(key, step, first, n, 32, lambda x0, x1: [x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], device)
 
 
 def bf16_noise_at(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
