@@ -666,6 +666,10 @@ def test_float64_turns_rounding_off():
             r"'normalize_nothing'.*'normalize_rounded_sum'.*'normalize_fp32_sum'",
         ),
         (lambda x: ops.residual_add(x, x, "fp64"), r"unknown residual rule 'fp64'"),
+        (
+            lambda x: ops.rms_norm(x.float(), x[0], EPS, "round_after_weight", rounded=x[:2]),
+            r"rounded has shape \(2, 6\) but x has \(4, 6\); pass the residual R = r\(S\)",
+        ),
         (lambda x: ops.rope(x, x, x, "twice"), r"unknown rope rounding rule 'twice'.*'per_op'.*'once'"),
         (lambda x: ops.rope(x[..., :5], x[..., :5], x[..., :5], "once"), r"even head_dim, got 5"),
         (lambda x: ops.swiglu(x, x, "gelu"), r"unknown swiglu rule 'gelu'.*'round_silu'.*'once'"),

@@ -14,7 +14,7 @@ import torch
 
 from helpers import all_bf16, assert_bitwise_equal, sprinkle, tie_prone_bf16
 from roundalign import ops
-from roundalign.profiles import RMSNormRule, RopeRounding, SwiGLURule
+from roundalign.profiles import ResidualRule, RMSNormRule, RopeRounding, SwiGLURule
 
 pytestmark = pytest.mark.slow
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -72,6 +72,18 @@ def test_rms_norm(rule, shape):
 def test_residual_add(rule):
     a, h = _values((2, 33, 300), 3), _values((2, 33, 300), 4)
     assert_same(lambda a, h, compiled: ops.residual_add(a, h, rule, compiled=compiled), (a, h), rule)
+
+
+@pytest.mark.parametrize("residual_rule", [r.value for r in ResidualRule])
+@pytest.mark.parametrize("norm_rule", [r.value for r in RMSNormRule])
+def test_add_rms_norm(norm_rule, residual_rule):
+    a, h = _values((2, 33, 300), 8), _values((2, 33, 300), 9)
+    w = (1 + 0.5 * torch.randn(300, generator=gen(10))).to(BF16)
+    assert_same(
+        lambda a, h, w, compiled: ops.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule, compiled=compiled),
+        (a, h, w),
+        f"add_rms_norm {norm_rule}/{residual_rule}",
+    )
 
 
 def test_add_rms_norm_from_an_fp32_residual():

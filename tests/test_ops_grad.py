@@ -166,22 +166,30 @@ def test_grad_rms_norm_fused_into_rope_is_fp32_formula():
     assert_grads_equal(got, want, "fused_into_rope vs fp32 formula")
 
 
+def value_at_gradient_at(fn, value_at, gradient_at, *args):
+    """``fn``'s value at ``value_at`` with autograd's gradient of ``fn`` at ``gradient_at``: the value's bits exactly
+    (``g - g.detach()`` is an exact zero), the gradient of the other point."""
+    at_grad = fn(gradient_at, *args)
+    return fn(value_at, *args).detach() + (at_grad - at_grad.detach())
+
+
 def add_norm_reference(norm_rule, residual_rule):
     """(a, h, w) -> (y, R) built from the HF expression for HF rules and the fact-sheet formula for the others,
-    on bf16 leaves (explicit upcasts in the fp32 parts, bf16 ops in the HF parts)."""
+    on bf16 leaves (explicit upcasts in the fp32 parts, bf16 ops in the HF parts). A norm of the fp32 sum ``S``
+    takes its value at ``S`` and its gradient at ``R = r(S)``, reaching ``S`` in fp32 (roundalign.ops.rms_norm)."""
 
     def fn(a, h, w):
+        if norm_rule == "round_before_weight":
+            norm = hf_rms_norm
+        else:
+            norm = lambda x, w: ref.rms_norm_round_after_weight(x, w, EPS)  # noqa: E731
         if residual_rule == "normalize_rounded_sum":
             big_r = h + a  # HF: residual + hidden_states, one bf16 add
-            x = big_r
-        else:
-            x = a.float() + h.float()  # S
-            big_r = x.to(BF16)
-        if norm_rule == "round_before_weight":
-            y = hf_rms_norm(x, w)  # HF: w * r(x*nu); bf16 weight multiply
-        else:
-            y = ref.rms_norm_round_after_weight(x, w, EPS)
-        return y, big_r
+            return norm(big_r, w), big_r  # HF: w * r(x*nu) with a bf16 weight multiply, or the fp32 formula
+        s = a.float() + h.float()  # S
+        big_r = s.to(BF16)
+        r_on_s = s + (big_r.float() - s).detach()  # R's value (the difference is exact), S's gradient path
+        return value_at_gradient_at(norm, s, r_on_s, w), big_r
 
     return fn
 
@@ -199,14 +207,10 @@ def test_grad_add_rms_norm(norm_rule, residual_rule):
     if norm_rule == "round_before_weight" and residual_rule == "normalize_rounded_sum":
         hf_module = lambda a, h, w: (hf_module_rms_norm(h + a, w), h + a)  # noqa: E731
         assert_grads_equal(got, grads_of(hf_module, (a, h, w), (gy, gr)), "add_rms_norm vs HF module")
-    if norm_rule == "round_after_weight" and residual_rule == "normalize_fp32_sum":  # the once rules, literally
-        lit = grads_of(
-            lambda a, h, w: ref.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule),
-            (a, h, w),
-            (gy, gr),
-            leaf_dtype=FP32,
-        )
-        assert_grads_equal(got, lit, "add_rms_norm once rules vs fp32 formula on fp32 leaves")
+    if residual_rule != "normalize_rounded_sum":  # the norm's output is the formula's at S, bit for bit
+        y, _ = ops.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule)
+        assert_bitwise_equal(y, ref.add_rms_norm(a, h, w, EPS, norm_rule, residual_rule)[0], "output at S")
+        assert_not_bitwise_equal(y, ref.add_rms_norm(a, h, w, EPS, norm_rule, "normalize_rounded_sum")[0], "vs R")
     other = "normalize_fp32_sum" if residual_rule == "normalize_rounded_sum" else "normalize_rounded_sum"
     other_grads = grads_of(add_norm_reference(norm_rule, other), (a, h, w), (gy, gr))
     assert_not_bitwise_equal(got[0], other_grads[0], "gradient depends on the residual rule")

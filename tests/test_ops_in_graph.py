@@ -70,6 +70,22 @@ def test_residual_add(rule):
     _check(fn, (_values((4, 9, 96), 3), _values((4, 9, 96), 4)), f"residual_add {rule}")
 
 
+@pytest.mark.parametrize("residual_rule", [r.value for r in ResidualRule])
+@pytest.mark.parametrize("norm_rule", [r.value for r in RMSNormRule])
+def test_add_rms_norm(norm_rule, residual_rule):
+    """The norm of the fp32 sum S (its value at S, its gradient at R) fused with its neighbours."""
+
+    def fn(a, h, w):
+        y, rounded = ops.add_rms_norm(a * 1.1, h * 1.1, w, 1e-6, norm_rule, residual_rule)
+        # R itself: the norm's backward keeps it, so Inductor stores it, and a stock op fused after that store may
+        # read the unrounded sum (emulate_precision_casts=False, as for stock code); in a model, R's readers are
+        # the next residual add and the norm's backward, which widen it as stored.
+        return y * 1.3, rounded
+
+    inputs = (_values((4, 9, 96), 5), _values((4, 9, 96), 6), _values((96,), 7))
+    _check(fn, inputs, f"add_rms_norm {norm_rule}/{residual_rule}")
+
+
 @pytest.mark.parametrize("cos_dtype", [BF16, FP32])
 @pytest.mark.parametrize("rounding", [r.value for r in RopeRounding])
 def test_rope(rounding, cos_dtype):

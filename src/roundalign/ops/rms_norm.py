@@ -18,6 +18,12 @@ Residual add:
   they differ only in which of ``R`` and ``S`` the decoder layer carries on (``roundalign.patch._common``).
 
 ``x`` may be bf16/fp16 or the fp32 sum ``S``; the variance is always taken in fp32, as every implementation does.
+
+**Where a norm of ``S`` is differentiated.** Its forward reads ``S``, as the engine's fused add + norm does; its
+backward is RMSNorm's gradient at ``R = r(S)``, the residual stock HF differentiates at, and returned in fp32 as
+``S``'s gradient. The exact gradient of the formula would need ``S`` itself kept for the backward: 4 bytes an element
+where stock keeps the 2 of ``R``, one tensor per norm (about 8 % of a compiled step's saved bytes). Both are
+bf16-accurate gradients; the log-probs, which is what the engine is compared on, do not depend on the choice.
 """
 
 from __future__ import annotations
@@ -31,47 +37,74 @@ from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
 from roundalign.numerics.formulas import rstd_aten as _rstd
 from roundalign.ops._custom import define
-from roundalign.ops._traced import TRACED, TRACED_BACKWARD, rstd_op, sum_to_op
+from roundalign.ops._traced import TRACED, TRACED_BACKWARD, grad_dot_op, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
-def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to, num=EAGER):
+def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, red, num=EAGER, grad_dtype=None):
     """Autograd's backward of the RMSNorm formula, written out op for op (PyTorch's derivatives.yaml): the same bits
-    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
-    ``sum_to(t, shape)`` are the two reductions, so that the fused variants can keep them ATen's; ``num`` the
-    rounding primitives (``roundalign.numerics.formulas``)."""
+    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``red`` supplies the reductions
+    (``ATEN_REDUCTIONS``, or ``OPAQUE_REDUCTIONS`` for the fused variants: ATen's order, out of Inductor's sight);
+    ``num`` the rounding primitives (``roundalign.numerics.formulas``). ``grad_dtype``: the dtype of ``x``'s
+    gradient, ``x``'s by default (fp32 where ``x`` is ``R`` standing in for ``S``)."""
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    rstd = rstd_fn(x32, eps)
+    rstd = red.rstd(x32, eps, x)
     normed = x32 * rstd
-    if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
+    rounded_product = rule == RMSNormRule.ROUND_BEFORE_WEIGHT
+    if rounded_product:  # weight * r(normed), in the 16-bit dtype
         # MulBackward, then the broadcast's sum
-        grad_w = sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
+        grad_w = red.sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
         grad_normed = num.to(num.ew(torch.mul, grad, weight), acc)  # MulBackward, then the cast's backward
     elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
         g32 = num.to(grad, acc)
-        grad_w = num.to(sum_to(g32 * normed, weight.shape), weight.dtype)
+        grad_w = num.to(red.sum_to(g32 * normed, weight.shape), weight.dtype)
         grad_normed = g32 * num.to(weight, acc)
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
-    grad_rstd = sum_to(grad_normed * x32, rstd.shape)
+    grad_rstd = red.grad_dot(grad_normed, x32, num.settle(grad), weight, x, rounded_product)  # sum(grad_normed*x32)
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
-    return num.to(grad_x32, x.dtype), grad_w
+    return num.to(grad_x32, grad_dtype or x.dtype), grad_w
 
 
-def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
-    return t.sum_to_size(shape)
+class _AtenReductions:
+    """The backward's reductions as autograd runs them: on the whole fp32 tensors."""
+
+    rstd = staticmethod(_rstd)
+
+    @staticmethod
+    def sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+        return t.sum_to_size(shape)
+
+    @staticmethod
+    def grad_dot(grad_normed, x32, grad, weight, x, rounded_product):
+        return (grad_normed * x32).sum_to_size((*x32.shape[:-1], 1))
+
+
+class _OpaqueReductions:
+    """The same reductions as opaque ATen calls that read the 16-bit inputs a block of rows at a time
+    (``roundalign.ops._traced``): ATen's bits, no fp32 copies of the activations."""
+
+    rstd = staticmethod(rstd_op)
+    sum_to = staticmethod(sum_to_op)
+
+    @staticmethod
+    def grad_dot(grad_normed, x32, grad, weight, x, rounded_product):
+        return grad_dot_op(grad, weight, x, rounded_product)
+
+
+ATEN_REDUCTIONS, OPAQUE_REDUCTIONS = _AtenReductions(), _OpaqueReductions()
 
 
 def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd, _sum_to)
+    return _backward(grad, x, weight, eps, rule, out_dtype, ATEN_REDUCTIONS)
 
 
 def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op)
+    return _backward(grad, x, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS)
 
 
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
@@ -83,7 +116,35 @@ def _rms_norm_traced(x, weight, eps: float, rule: str, out_dtype: torch.dtype):
 
 
 def _rms_norm_backward_traced(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD)
+    return _backward(grad, x, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, num=TRACED_BACKWARD)
+
+
+# The norm of the fp32 sum: inputs (s, r, weight) with r = r(s); the forward reads s, the backward r (see the
+# module docstring), so s is not saved. Its gradient comes back in s's dtype (fp32).
+
+
+def _rms_norm_of_sum(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None, *, num=EAGER):
+    return _rms_norm(s, weight, eps, rule, out_dtype, rstd, num=num)
+
+
+def _rms_norm_of_sum_backward(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, num=EAGER):
+    return _backward(grad, r, weight, eps, rule, out_dtype, ATEN_REDUCTIONS, num, grad_dtype=s.dtype)
+
+
+def _rms_norm_of_sum_opaque_rstd(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _rms_norm(s, weight, eps, rule, out_dtype, rstd_op)
+
+
+def _rms_norm_of_sum_backward_opaque_sums(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _backward(grad, r, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, grad_dtype=s.dtype)
+
+
+def _rms_norm_of_sum_traced(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _rms_norm(s, weight, eps, rule, out_dtype, rstd_op, num=TRACED)
+
+
+def _rms_norm_of_sum_backward_traced(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
+    return _backward(grad, r, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, num=TRACED_BACKWARD, grad_dtype=s.dtype)
 
 
 def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype, num=EAGER):
@@ -117,6 +178,31 @@ _rms_norm_compiled_op = define(
     backward=_rms_norm_backward_opaque_sums,
     rowwise=True,
     traced=_RMS_TRACED,
+)
+_OF_SUM_TRACED = (_rms_norm_of_sum_traced, _rms_norm_of_sum_backward_traced)
+_rms_norm_of_sum_op = define(
+    "rms_norm_of_sum",
+    _rms_norm_of_sum,
+    ["s", "r", "weight"],
+    _RMS_CONSTS,
+    1,
+    [0, 2],
+    needed=[1, 2],
+    backward=_rms_norm_of_sum_backward,
+    traced=_OF_SUM_TRACED,
+)
+_rms_norm_of_sum_compiled_op = define(
+    "rms_norm_of_sum_compiled",
+    _rms_norm_of_sum_opaque_rstd,
+    ["s", "r", "weight"],
+    _RMS_CONSTS,
+    1,
+    [0, 2],
+    needed=[1, 2],
+    compile=True,
+    backward=_rms_norm_of_sum_backward_opaque_sums,
+    rowwise=True,
+    traced=_OF_SUM_TRACED,
 )
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define(
@@ -153,12 +239,14 @@ def rms_norm(
     rule: RMSNormRule | QKNormRule | str,
     out_dtype: torch.dtype | None = None,
     compiled: bool = False,
+    rounded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm of ``x`` over its last dim under ``rule``. ``compiled``: the Inductor-fused variant, bitwise equal.
 
     ``out_dtype`` is the dtype ``r(.)`` rounds to; by default the weight's dtype (the model dtype), or ``x``'s
     when the weight is fp32 (``default_out_dtype``). The ``fused_into_rope`` rule returns fp32 for the RoPE op to
-    round.
+    round. ``rounded``: where ``x`` is the fp32 sum ``S`` of a residual add, its rounded residual ``R = r(S)``; the
+    output is the same, and the backward differentiates at ``R`` instead of keeping ``S`` (the module docstring).
     """
     rule = str(rule)
     if rule not in {r.value for r in QKNormRule}:  # RMSNormRule's rules plus fused_into_rope
@@ -166,8 +254,17 @@ def rms_norm(
             f"unknown rms_norm rule {rule!r}; choose round_before_weight, round_after_weight "
             "or fused_into_rope (q/k norm only)"
         )
-    op = _rms_norm_compiled_op if compiled else _rms_norm_op
-    return op(x, weight, float(eps), rule, out_dtype or default_out_dtype(weight, x))
+    out_dtype = out_dtype or default_out_dtype(weight, x)
+    if rounded is None or rounded is x:
+        op = _rms_norm_compiled_op if compiled else _rms_norm_op
+        return op(x, weight, float(eps), rule, out_dtype)
+    if rounded.shape != x.shape:
+        raise ValueError(
+            f"rms_norm: rounded has shape {tuple(rounded.shape)} but x has {tuple(x.shape)}; pass the residual "
+            "R = r(S) that the same residual add returned with S"
+        )
+    op = _rms_norm_of_sum_compiled_op if compiled else _rms_norm_of_sum_op
+    return op(x, rounded, weight, float(eps), rule, out_dtype)
 
 
 def residual_add(
@@ -199,4 +296,4 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm, as engines run it: returns ``(norm output, R)``."""
     residual, x = residual_add(a, h, residual_rule, compiled)
-    return rms_norm(x, weight, eps, norm_rule, out_dtype=residual.dtype, compiled=compiled), residual
+    return rms_norm(x, weight, eps, norm_rule, residual.dtype, compiled, rounded=residual), residual

@@ -46,6 +46,11 @@ def _carried(hidden_states):
     return hidden_states, hidden_states
 
 
+def _pair(rounded, x):
+    """What a norm inside a layer is handed: ``(R, S)`` where it reads the fp32 sum, else the tensor itself."""
+    return x if x is rounded else (rounded, Carry(x))
+
+
 def _layer_input(hidden_states):
     """``_carried`` for a decoder layer, where the residual stream starts.
 
@@ -69,12 +74,13 @@ class _Aligned:
 
 
 class AlignedRMSNorm(_Aligned):
-    """RMSNorm with ``_roundalign_rule``; reads the fp32 sum when handed an ``(R, S)`` pair (the final norm)."""
+    """RMSNorm with ``_roundalign_rule``; reads the fp32 sum when handed an ``(R, S)`` pair (and differentiates at
+    ``R``)."""
 
     _roundalign_rule: str
 
     def forward(self, hidden_states):
-        _, x = _carried(hidden_states)
+        rounded, x = _carried(hidden_states)
         low = low_dtype(self.weight, x)  # the weight's (model's) 16-bit dtype, or autocast's
         return ops.rms_norm(
             x,
@@ -83,6 +89,7 @@ class AlignedRMSNorm(_Aligned):
             self._roundalign_rule,
             low,
             compiled=self._roundalign_compile_ops,
+            rounded=rounded if rounded.dtype == low else None,  # S's gradient at R (roundalign.ops.rms_norm)
         )
 
     def extra_repr(self) -> str:
@@ -181,7 +188,7 @@ class AlignedDecoderLayer(_Aligned):
         rule = self._roundalign_residual
         rounded, x = _layer_input(hidden_states)  # (R, what the norm reads: R or S)
         residual = x if rule is ResidualRule.NEVER_ROUND else rounded
-        x = self.input_layernorm(x)
+        x = self.input_layernorm(_pair(rounded, x))
         x, _ = self.self_attn(
             hidden_states=x,
             attention_mask=attention_mask,
@@ -194,7 +201,7 @@ class AlignedDecoderLayer(_Aligned):
         rounded, x = ops.residual_add(x, residual, rule, self._roundalign_compile_ops)  # R, and what the norm reads
         # Carried into the MLP's add: R, except where a compiled engine keeps the post-attention sum in fp32.
         residual = x if rule in (ResidualRule.ROUND_AT_ATTENTION, ResidualRule.NEVER_ROUND) else rounded
-        x = self.post_attention_layernorm(x)
+        x = self.post_attention_layernorm(_pair(rounded, x))
         x = self.mlp(x)
         rounded, x = ops.residual_add(x, residual, rule, self._roundalign_compile_ops)
         if rule is ResidualRule.NORMALIZE_ROUNDED_SUM:
