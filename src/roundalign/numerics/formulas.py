@@ -23,8 +23,7 @@ from roundalign.profiles import QKNormRule, RMSNormRule, RopeRounding, SwiGLURul
 class Eager:
     """The rounding primitives as plain torch: ``to`` casts (``r(.)`` when it narrows to a 16-bit dtype), ``ew``
     runs an element-wise op in its operands' dtype (a 16-bit op computes in fp32 and rounds, as eager does),
-    ``sum_to`` sums a broadcast gradient back to a shape, ``silu_backward`` is ATen's (and
-    ``silu_backward_of_product`` its use in SwiGLU's backward)."""
+    ``sum_to`` sums a broadcast gradient back to a shape, ``silu_backward`` is ATen's."""
 
     @staticmethod
     def to(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
@@ -42,23 +41,12 @@ class Eager:
     def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten.silu_backward(grad, x)
 
-    @staticmethod
-    def settle(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    @staticmethod
-    def silu_backward_of_product(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``r(silu_backward(grad32 * up32, gate32))`` to the gate's dtype: the gate's gradient of SwiGLU ``once``."""
-        acc = compute_dtype(gate)
-        return torch.ops.aten.silu_backward(grad.to(acc) * up.to(acc), gate.to(acc)).to(gate.dtype)
-
 
 EAGER = Eager()
 
 
-def rstd_aten(x32: torch.Tensor, eps: float, x: torch.Tensor | None = None) -> torch.Tensor:
-    """nu(x) = rsqrt(mean(x^2) + eps) in fp32, with ATen's reduction order. ``x``, the 16-bit tensor ``x32`` widens,
-    is for the variants that read it instead (``roundalign.ops._traced``)."""
+def rstd_aten(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """nu(x) = rsqrt(mean(x^2) + eps) in fp32, with ATen's reduction order."""
     return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -68,7 +56,7 @@ def rms_norm(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None
     rstd = rstd or rstd_aten
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    normed = x32 * rstd(x32, eps, x)  # x * nu(x), fp32
+    normed = x32 * rstd(x32, eps)  # x * nu(x), fp32
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:
         # r(w * r(x * nu(x))): HF's `weight * normed.to(out_dtype)`, weight on the left
         return num.ew(torch.mul, weight, num.to(normed, out_dtype))

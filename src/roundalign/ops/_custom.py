@@ -24,7 +24,8 @@ checks the compiled variant against the eager one bit for bit.
 The gradient is therefore autograd's gradient of the formula itself: a rule that rounds once is written as
 ``(fp32 formula).to(bf16)``, whose casts are straight-through in backward, so its gradient is the gradient of the
 fp32 formula rounded once to the input dtype. A rule that rounds per op (HF's) is written as HF's bf16
-expression, so its gradient is stock HF's, bit for bit.
+expression, so its gradient is stock HF's, bit for bit. (One exception: a norm of the fp32 residual sum ``S`` is
+differentiated at ``R = r(S)``; ``roundalign.ops.rms_norm`` says why.)
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ for the whole model would also change the numerics of every stock op in it, and 
 - ``Traced.ew(fn, *tensors)``: an element-wise op on 16-bit operands computed as eager computes it (operands
   widened, fp32 arithmetic, the result rounded), for the rules written as HF's per-op bf16 expressions.
 
-Reductions stay opaque ATen calls (``roundalign::rms_rstd``, ``roundalign::rms_grad_dot``, ``roundalign::sum_to``), in
-ATen's summation order, and
+Reductions stay opaque ATen calls (``roundalign::rms_rstd``, ``roundalign::sum_to``), in ATen's summation order, and
 so does SiLU's backward (``roundalign::silu_backward``): Inductor's decomposition of it associates the products
 otherwise than ATen's kernel, which moves a few fp16 gradients by one unit in the last place. The
 formulas are the same functions as the eager ones (``roundalign.numerics.formulas``), called with ``num=TRACED``
@@ -31,7 +30,7 @@ import functools
 
 import torch
 
-from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
+from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.numerics.formulas import rstd_aten
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
@@ -43,69 +42,14 @@ _lib.define("widen(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag.point
 # it with the forward's widening of the same tensor: the merged node's fp32 result would be saved for the backward
 # (twice the bytes of the 16-bit input), since the partitioner recomputes only ATen's own pointwise ops.
 _lib.define("widen_saved(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag.pointwise,))
-# RMSNorm's two row reductions read the stored 16-bit x (and the gradient) and widen a block of rows at a time: an
-# opaque op's inputs are materialised, and an fp32 copy of x (with ATen's x^2 beside it) would cost more memory at
-# the backward's peak than stock's fused reduction uses in all.
-_lib.define("rms_rstd(Tensor x, float eps) -> Tensor")
-_lib.define("rms_grad_dot(Tensor grad, Tensor weight, Tensor x, bool rounded_product) -> Tensor")
+_lib.define("rms_rstd(Tensor x32, float eps) -> Tensor")
 _lib.define("sum_to(Tensor t, SymInt[] size) -> Tensor")
 _lib.define("silu_backward(Tensor grad, Tensor x) -> Tensor")
-_lib.define("silu_backward_of_product(Tensor grad, Tensor up, Tensor gate) -> Tensor")
 
 _lib.impl("round_to", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("widen", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("widen_saved", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
-_BLOCK_BYTES = 1 << 20  # fp32 bytes per block of rows: cache-sized, and a few hundred blocks at most per call
-
-
-def _blocks(n_rows: int, row_len: int) -> list[slice]:
-    step = max(1, _BLOCK_BYTES // (4 * max(row_len, 1)))
-    return [slice(i, i + step) for i in range(0, n_rows, step)]
-
-
-def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rstd_aten(x.to(acc), eps)`` a block of rows at a time: the same bits, since ATen reduces each row of an
-    inner-dim reduction alone (tests/test_ops_compiled.py compares with the whole-tensor eager formula)."""
-    acc = compute_dtype(x)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.numel() == 0:
-        return rstd_aten(x.to(acc), eps)
-    out = rows.new_empty((rows.shape[0], 1), dtype=acc)
-    for b in _blocks(*rows.shape):
-        out[b] = rstd_aten(rows[b].to(acc), eps)
-    return out.reshape(*x.shape[:-1], 1)
-
-
-def rms_grad_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, rounded_product: bool) -> torch.Tensor:
-    """Per row, ``sum(grad_normed * x32)`` of RMSNorm's backward, a block of rows at a time, where ``grad_normed`` is
-    ``r(grad * weight)`` widened (``rounded_product``: HF's bf16 weight multiply) or ``grad32 * weight32``."""
-    acc = compute_dtype(x)
-    n = x.shape[-1]
-    g_rows, x_rows = grad.reshape(-1, n), x.reshape(-1, n)
-    out = x_rows.new_empty((x_rows.shape[0], 1), dtype=acc)
-    for b in _blocks(*x_rows.shape):
-        g = g_rows[b]
-        grad_normed = (g * weight).to(acc) if rounded_product else g.to(acc) * weight.to(acc)
-        out[b] = (grad_normed * x_rows[b].to(acc)).sum_to_size(out[b].shape)
-    return out.reshape(*x.shape[:-1], 1)
-
-
-def silu_backward_of_product_blocks(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``Eager.silu_backward_of_product`` a block of elements at a time, from the 16-bit inputs: element-wise, so the
-    same bits, without the two fp32 MLP-wide tensors an opaque call on the widened operands would materialise."""
-    acc = compute_dtype(gate)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    flat, g, u, x = out.view(-1), grad.reshape(-1), up.reshape(-1), gate.reshape(-1)
-    step = _BLOCK_BYTES // 4
-    for i in range(0, flat.numel(), step):
-        b = slice(i, i + step)
-        flat[b] = torch.ops.aten.silu_backward(g[b].to(acc) * u[b].to(acc), x[b].to(acc))  # rounds as it stores
-    return out
-
-
-_lib.impl("rms_rstd", rms_rstd_rows, "CompositeExplicitAutograd")
-_lib.impl("silu_backward_of_product", silu_backward_of_product_blocks, "CompositeExplicitAutograd")
-_lib.impl("rms_grad_dot", rms_grad_dot_rows, "CompositeExplicitAutograd")
+_lib.impl("rms_rstd", rstd_aten, "CompositeExplicitAutograd")
 _lib.impl("sum_to", lambda t, size: t.sum_to_size(size), "CompositeExplicitAutograd")
 _lib.impl("silu_backward", lambda grad, x: torch.ops.aten.silu_backward(grad, x), "CompositeExplicitAutograd")
 
@@ -157,28 +101,14 @@ def _(x, dtype):
     return torch.empty_like(x, dtype=dtype)
 
 
-torch.library.register_fake("roundalign::rms_rstd")(
-    lambda x, eps: x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x))
-)
-torch.library.register_fake("roundalign::rms_grad_dot")(
-    lambda grad, weight, x, rounded_product: x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x))
-)
+torch.library.register_fake("roundalign::rms_rstd")(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 torch.library.register_fake("roundalign::sum_to")(lambda t, size: t.new_empty(size))
 torch.library.register_fake("roundalign::silu_backward")(lambda grad, x: torch.empty_like(x))
-torch.library.register_fake("roundalign::silu_backward_of_product")(
-    lambda grad, up, gate: torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-)
 
 
-def rstd_op(x32: torch.Tensor, eps: float, x: torch.Tensor | None = None) -> torch.Tensor:
-    """nu(x) as an ATen call Inductor cannot see into (it would sum the squares in its own order), reading the
-    16-bit ``x`` where given rather than its fp32 widening ``x32``."""
-    return torch.ops.roundalign.rms_rstd(x32 if x is None else x, eps)
-
-
-def grad_dot_op(grad, weight, x, rounded_product: bool) -> torch.Tensor:
-    """RMSNorm backward's row sum ``sum(grad_normed * x32)`` as an opaque ATen call (``rms_grad_dot_rows``)."""
-    return torch.ops.roundalign.rms_grad_dot(grad, weight, x, rounded_product)
+def rstd_op(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """nu(x) as an ATen call Inductor cannot see into (it would sum the squares in its own order)."""
+    return torch.ops.roundalign.rms_rstd(x32, eps)
 
 
 def sum_to_op(t: torch.Tensor, shape) -> torch.Tensor:
@@ -220,16 +150,6 @@ class Traced:
     @staticmethod
     def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.roundalign.silu_backward(grad, x)
-
-    def silu_backward_of_product(self, grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # The gradient settled as stored (see settle) before the opaque call reads it.
-        return torch.ops.roundalign.silu_backward_of_product(self.settle(grad), up, gate)
-
-    def settle(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as stored in its dtype, for an opaque op to read. A 16-bit value a fused producer computed is
-        otherwise stored for the op and, in the same kernel, handed on unrounded to the code that widens it
-        (Inductor forwards the stored value's fp32 source; seen on SwiGLU's backward)."""
-        return self.to(t, t.dtype)
 
 
 TRACED = Traced(torch.ops.roundalign.widen)

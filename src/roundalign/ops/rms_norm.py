@@ -37,7 +37,7 @@ from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
 from roundalign.numerics.formulas import rstd_aten as _rstd
 from roundalign.ops._custom import define
-from roundalign.ops._traced import TRACED, TRACED_BACKWARD, grad_dot_op, rstd_op, sum_to_op
+from roundalign.ops._traced import TRACED, TRACED_BACKWARD, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
@@ -49,10 +49,9 @@ def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, re
     gradient, ``x``'s by default (fp32 where ``x`` is ``R`` standing in for ``S``)."""
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    rstd = red.rstd(x32, eps, x)
+    rstd = red.rstd(x32, eps)
     normed = x32 * rstd
-    rounded_product = rule == RMSNormRule.ROUND_BEFORE_WEIGHT
-    if rounded_product:  # weight * r(normed), in the 16-bit dtype
+    if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
         # MulBackward, then the broadcast's sum
         grad_w = red.sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
         grad_normed = num.to(num.ew(torch.mul, grad, weight), acc)  # MulBackward, then the cast's backward
@@ -63,7 +62,7 @@ def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, re
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
-    grad_rstd = red.grad_dot(grad_normed, x32, num.settle(grad), weight, x, rounded_product)  # sum(grad_normed*x32)
+    grad_rstd = red.sum_to(grad_normed * x32, rstd.shape)
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
@@ -71,7 +70,7 @@ def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, re
 
 
 class _AtenReductions:
-    """The backward's reductions as autograd runs them: on the whole fp32 tensors."""
+    """The backward's reductions as autograd runs them."""
 
     rstd = staticmethod(_rstd)
 
@@ -79,21 +78,12 @@ class _AtenReductions:
     def sum_to(t: torch.Tensor, shape) -> torch.Tensor:
         return t.sum_to_size(shape)
 
-    @staticmethod
-    def grad_dot(grad_normed, x32, grad, weight, x, rounded_product):
-        return (grad_normed * x32).sum_to_size((*x32.shape[:-1], 1))
-
 
 class _OpaqueReductions:
-    """The same reductions as opaque ATen calls that read the 16-bit inputs a block of rows at a time
-    (``roundalign.ops._traced``): ATen's bits, no fp32 copies of the activations."""
+    """The same reductions as opaque ATen calls: ATen's order, out of Inductor's sight (roundalign.ops._traced)."""
 
     rstd = staticmethod(rstd_op)
     sum_to = staticmethod(sum_to_op)
-
-    @staticmethod
-    def grad_dot(grad_normed, x32, grad, weight, x, rounded_product):
-        return grad_dot_op(grad, weight, x, rounded_product)
 
 
 ATEN_REDUCTIONS, OPAQUE_REDUCTIONS = _AtenReductions(), _OpaqueReductions()
