@@ -41,60 +41,46 @@ from roundalign.ops._traced import TRACED, TRACED_BACKWARD, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
-def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, red, num=EAGER, grad_dtype=None):
+def _backward(
+    grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to, num=EAGER, grad_dtype=None
+):
     """Autograd's backward of the RMSNorm formula, written out op for op (PyTorch's derivatives.yaml): the same bits
-    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``red`` supplies the reductions
-    (``ATEN_REDUCTIONS``, or ``OPAQUE_REDUCTIONS`` for the fused variants: ATen's order, out of Inductor's sight);
-    ``num`` the rounding primitives (``roundalign.numerics.formulas``). ``grad_dtype``: the dtype of ``x``'s
+    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
+    ``sum_to(t, shape)`` are the two reductions, so that the fused variants can keep them ATen's; ``num`` the rounding
+    primitives (``roundalign.numerics.formulas``). ``grad_dtype``: the dtype of ``x``'s
     gradient, ``x``'s by default (fp32 where ``x`` is ``R`` standing in for ``S``)."""
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    rstd = red.rstd(x32, eps)
+    rstd = rstd_fn(x32, eps)
     normed = x32 * rstd
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
         # MulBackward, then the broadcast's sum
-        grad_w = red.sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
+        grad_w = sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
         grad_normed = num.to(num.ew(torch.mul, grad, weight), acc)  # MulBackward, then the cast's backward
     elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
         g32 = num.to(grad, acc)
-        grad_w = num.to(red.sum_to(g32 * normed, weight.shape), weight.dtype)
+        grad_w = num.to(sum_to(g32 * normed, weight.shape), weight.dtype)
         grad_normed = g32 * num.to(weight, acc)
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
-    grad_rstd = red.sum_to(grad_normed * x32, rstd.shape)
+    grad_rstd = sum_to(grad_normed * x32, rstd.shape)
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
     return num.to(grad_x32, grad_dtype or x.dtype), grad_w
 
 
-class _AtenReductions:
-    """The backward's reductions as autograd runs them."""
-
-    rstd = staticmethod(_rstd)
-
-    @staticmethod
-    def sum_to(t: torch.Tensor, shape) -> torch.Tensor:
-        return t.sum_to_size(shape)
-
-
-class _OpaqueReductions:
-    """The same reductions as opaque ATen calls: ATen's order, out of Inductor's sight (roundalign.ops._traced)."""
-
-    rstd = staticmethod(rstd_op)
-    sum_to = staticmethod(sum_to_op)
-
-
-ATEN_REDUCTIONS, OPAQUE_REDUCTIONS = _AtenReductions(), _OpaqueReductions()
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    return t.sum_to_size(shape)
 
 
 def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, ATEN_REDUCTIONS)
+    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd, _sum_to)
 
 
 def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS)
+    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op)
 
 
 def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
@@ -106,7 +92,7 @@ def _rms_norm_traced(x, weight, eps: float, rule: str, out_dtype: torch.dtype):
 
 
 def _rms_norm_backward_traced(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, num=TRACED_BACKWARD)
+    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD)
 
 
 # The norm of the fp32 sum: inputs (s, r, weight) with r = r(s); the forward reads s, the backward r (see the
@@ -118,7 +104,7 @@ def _rms_norm_of_sum(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype
 
 
 def _rms_norm_of_sum_backward(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, num=EAGER):
-    return _backward(grad, r, weight, eps, rule, out_dtype, ATEN_REDUCTIONS, num, grad_dtype=s.dtype)
+    return _backward(grad, r, weight, eps, rule, out_dtype, _rstd, _sum_to, num, grad_dtype=s.dtype)
 
 
 def _rms_norm_of_sum_opaque_rstd(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
@@ -126,7 +112,7 @@ def _rms_norm_of_sum_opaque_rstd(s, r, weight, eps: float, rule: str, out_dtype:
 
 
 def _rms_norm_of_sum_backward_opaque_sums(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, r, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, grad_dtype=s.dtype)
+    return _backward(grad, r, weight, eps, rule, out_dtype, rstd_op, sum_to_op, grad_dtype=s.dtype)
 
 
 def _rms_norm_of_sum_traced(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
@@ -134,7 +120,7 @@ def _rms_norm_of_sum_traced(s, r, weight, eps: float, rule: str, out_dtype: torc
 
 
 def _rms_norm_of_sum_backward_traced(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, r, weight, eps, rule, out_dtype, OPAQUE_REDUCTIONS, num=TRACED_BACKWARD, grad_dtype=s.dtype)
+    return _backward(grad, r, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD, grad_dtype=s.dtype)
 
 
 def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype, num=EAGER):
