@@ -6,9 +6,14 @@ Each case compiles ``consumer(op(producer(inputs)))``: the producer and consumer
 that an op reads its inputs as stored and hands on outputs as rounded. The reference is the same function run
 eagerly with the eager ops, whose formulas tests/test_ops.py checks against independent ones. Compiling takes
 seconds per case, hence ``slow``.
+
+The in-model reductions and SiLU's backward read their 16-bit inputs a block at a time; the cases run them with
+blocks of a few rows or elements, the last one ragged, so that every block edge is crossed.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -19,6 +24,12 @@ from roundalign.profiles import ResidualRule, RMSNormRule, RopeRounding, SwiGLUR
 
 pytestmark = pytest.mark.slow
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    # 4,000 fp32 bytes: 5 rows of 200 (rms_norm's 111 rows: 22 blocks and a ragged one), 500 SwiGLU elements
+    monkeypatch.setattr(sys.modules["roundalign.ops._traced"], "_BLOCK_BYTES", 4000)
 
 
 def _values(shape, seed: int, dtype=BF16) -> torch.Tensor:

@@ -23,7 +23,10 @@ from roundalign.profiles import QKNormRule, RMSNormRule, RopeRounding, SwiGLURul
 class Eager:
     """The rounding primitives as plain torch: ``to`` casts (``r(.)`` when it narrows to a 16-bit dtype), ``ew``
     runs an element-wise op in its operands' dtype (a 16-bit op computes in fp32 and rounds, as eager does),
-    ``sum_to`` sums a broadcast gradient back to a shape, ``silu_backward`` is ATen's."""
+    ``sum_to`` sums a broadcast gradient back to a shape, ``silu_backward`` is ATen's. The reductions and SiLU's
+    backward are primitives too (``rstd``, ``row_dot``, ``silu_backward_of_product``), so that a compiled model can
+    run them as opaque calls in ATen's order (``roundalign.ops._traced``); they are handed the 16-bit tensors their
+    fp32 operands widen, for the forms that read those instead."""
 
     @staticmethod
     def to(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
@@ -41,6 +44,22 @@ class Eager:
     def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten.silu_backward(grad, x)
 
+    @staticmethod
+    def rstd(x32: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+        """nu(x) from ``x32``, the fp32 widening of ``x``."""
+        return rstd_aten(x32, eps)
+
+    def row_dot(self, grad_normed, x32, grad, weight, x, rounded_product: bool) -> torch.Tensor:
+        """RMSNorm backward's per-row ``sum(grad_normed * x32)``, where ``grad_normed`` is ``r(grad * weight)``
+        widened (``rounded_product``) or ``grad32 * weight32``, and ``x32`` the widening of ``x``."""
+        return self.sum_to(grad_normed * x32, (*x32.shape[:-1], 1))
+
+    def silu_backward_of_product(self, grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``r(silu_backward(grad32 * up32, gate32))`` in the gate's dtype: the gate's gradient of SwiGLU ``once``."""
+        acc = compute_dtype(gate)
+        widened = self.to(grad, acc) * self.to(up, acc)
+        return self.to(self.silu_backward(widened, self.to(gate, acc)), gate.dtype)
+
 
 EAGER = Eager()
 
@@ -50,13 +69,11 @@ def rstd_aten(x32: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_norm(x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None, *, num=EAGER):
-    """RMSNorm by ``rule`` (an ``RMSNormRule`` or ``QKNormRule`` value); ``rstd(x32, eps)`` computes nu(x), ATen's
-    order by default."""
-    rstd = rstd or rstd_aten
+def rms_norm(x, weight, eps: float, rule: str, out_dtype: torch.dtype, *, num=EAGER):
+    """RMSNorm by ``rule`` (an ``RMSNormRule`` or ``QKNormRule`` value); nu(x) in ATen's order (``num.rstd``)."""
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    normed = x32 * rstd(x32, eps)  # x * nu(x), fp32
+    normed = x32 * num.rstd(x32, eps, x)  # x * nu(x), fp32
     if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:
         # r(w * r(x * nu(x))): HF's `weight * normed.to(out_dtype)`, weight on the left
         return num.ew(torch.mul, weight, num.to(normed, out_dtype))

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from roundalign.ops import _fused
-from roundalign.ops._traced import TRACED, TRACED_BACKWARD
+from roundalign.ops._traced import IN_MODEL, IN_MODEL_BACKWARD, TRACED, TRACED_BACKWARD
 
 
 def _vjp(formula: Callable, tensors: Sequence[torch.Tensor], consts: Sequence, grads, diff: Sequence[int]):
@@ -93,7 +93,6 @@ def define(
     compile: bool = False,
     backward: Callable | None = None,
     rowwise: bool = False,
-    traced: tuple[Callable, Callable] | None = None,
 ) -> Op:
     """Make the op ``name`` from ``formula(*tensors, *consts)``: an ``Op`` whose call has autograd support.
 
@@ -106,13 +105,20 @@ def define(
     gradients; it runs in place of the VJP (eagerly, or fused), spares functorch's per-call cost, and must equal
     autograd's bitwise, which the gradient tests check. ``rowwise``: the formula works row by row over the last dim,
     and every output has the first input's shape, so the fused variant sees 2-D rows whatever the caller's rank
-    (one kernel for (B, T, H) activations and (B, T, heads, D) q/k alike). ``traced``: the (forward, backward)
-    pair to run inside a compiled model (``roundalign.ops._traced``); by default ``formula`` and ``backward``
-    called with ``num=TRACED`` and ``num=TRACED_BACKWARD``.
+    (one kernel for (B, T, H) activations and (B, T, heads, D) q/k alike).
+
+    With a ``backward``, ``formula`` and ``backward`` take the rounding primitives as ``num``
+    (``roundalign.numerics.formulas``), and the op gets two traced forms (``roundalign.ops._traced``): with
+    ``TRACED``/``TRACED_BACKWARD`` for its fused kernels, and with ``IN_MODEL``/``IN_MODEL_BACKWARD`` for a compiled
+    model that traces it.
     """
-    if traced is None and backward is not None:
-        traced = (functools.partial(formula, num=TRACED), functools.partial(backward, num=TRACED_BACKWARD))
-    return Op(name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, traced)
+    forms = None
+    if backward is not None:
+        forms = {
+            "traced": (functools.partial(formula, num=TRACED), functools.partial(backward, num=TRACED_BACKWARD)),
+            "in_model": (functools.partial(formula, num=IN_MODEL), functools.partial(backward, num=IN_MODEL_BACKWARD)),
+        }
+    return Op(name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, forms)
 
 
 class Op:
@@ -120,19 +126,19 @@ class Op:
     that dominates a narrow model), and a ``torch.library`` custom op while Dynamo traces, which Inductor treats as
     opaque so that its rounding points survive a compiled model. Both run the same kernels and backward."""
 
-    def __init__(self, name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, traced):
+    def __init__(self, name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, forms):
         self.name, self.formula, self.n_out, self.diff = name, formula, n_out, tuple(diff)
         self.nt = nt = len(tensors)
         self.needed = tuple(range(nt)) if needed is None else tuple(needed)
         self.rowwise = rowwise
         self._backward = backward
         # The fused kernels compile the traced forms, whose rounding points and opaque ATen calls Inductor keeps.
-        fwd, bwd = traced if traced is not None else (formula, self._vjp_flat)
+        fwd, bwd = forms["traced"] if forms is not None else (formula, self._vjp_flat)
         self._fwd_kernels = _fused.Kernels(name, fwd) if compile else None
         self._bwd_kernels = _fused.Kernels(f"{name}_backward", _as_tuple(bwd)) if compile else None
         self.function = _function(self)
         self.op = self._register(tensors, consts)
-        self.traced_function = _traced_function(self, *traced) if traced is not None else None
+        self.traced_function = _traced_function(self, *forms["in_model"]) if forms is not None else None
 
     # -- the computation, shared by both ways in --------------------------------------------------------------
 

@@ -19,6 +19,15 @@ otherwise than ATen's kernel, which moves a few fp16 gradients by one unit in th
 formulas are the same functions as the eager ones (``roundalign.numerics.formulas``), called with ``num=TRACED``
 instead of ``num=EAGER``; tests/test_ops_compiled.py checks a compiled model against the eager ops bit for bit.
 
+**Two forms of the opaque calls.** An opaque op's inputs are materialised, so a reduction over a widened 16-bit
+activation costs an fp32 copy of it (and ATen's ``x^2`` beside it), and SwiGLU's backward two fp32 MLP-wide tensors.
+Inside one of our fused kernels that is a transient of one op. Inside a compiled model it is held at the backward's
+peak, beside the saved activations, where stock's fused reductions hold nothing. So the forms a compiled model
+traces (``IN_MODEL``, ``IN_MODEL_BACKWARD``) call ops that read the stored 16-bit tensors and widen about 1 MiB of
+rows at a time (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``, ``silu_backward_of_product``): the same bits,
+since rows and elements are reduced alone. Our fused kernels (``TRACED``, ``TRACED_BACKWARD``) keep the
+whole-tensor calls, which Inductor fuses with their widenings (the blocked loop costs a narrow model's step time).
+
 Without Inductor (another backend) the primitives run as the plain casts they stand for: the same numbers. Their
 Inductor lowerings register the first time a graph uses them (their fake kernels run while Dynamo traces, before
 Inductor lowers), so importing roundalign never imports Inductor.
@@ -30,8 +39,8 @@ import functools
 
 import torch
 
-from roundalign.numerics.dtypes import LOW_PRECISION
-from roundalign.numerics.formulas import rstd_aten
+from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
+from roundalign.numerics.formulas import Eager, rstd_aten
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
 # Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
@@ -45,6 +54,9 @@ _lib.define("widen_saved(Tensor x, ScalarType dtype) -> Tensor", tags=(torch.Tag
 _lib.define("rms_rstd(Tensor x32, float eps) -> Tensor")
 _lib.define("sum_to(Tensor t, SymInt[] size) -> Tensor")
 _lib.define("silu_backward(Tensor grad, Tensor x) -> Tensor")
+_lib.define("rms_rstd_rows(Tensor x, float eps) -> Tensor")
+_lib.define("rms_row_dot_rows(Tensor grad, Tensor weight, Tensor x, bool rounded_product) -> Tensor")
+_lib.define("silu_backward_of_product(Tensor grad, Tensor up, Tensor gate) -> Tensor")
 
 _lib.impl("round_to", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("widen", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
@@ -52,6 +64,62 @@ _lib.impl("widen_saved", lambda x, dtype: x.to(dtype), "CompositeExplicitAutogra
 _lib.impl("rms_rstd", rstd_aten, "CompositeExplicitAutograd")
 _lib.impl("sum_to", lambda t, size: t.sum_to_size(size), "CompositeExplicitAutograd")
 _lib.impl("silu_backward", lambda grad, x: torch.ops.aten.silu_backward(grad, x), "CompositeExplicitAutograd")
+
+_BLOCK_BYTES = 1 << 20  # fp32 bytes a block widens: cache-sized; one block for a narrow model's activations
+
+
+def _blocks(n_rows: int, row_len: int) -> list[slice]:
+    step = max(1, _BLOCK_BYTES // (4 * max(row_len, 1)))
+    return [slice(i, i + step) for i in range(0, n_rows, step)]
+
+
+# In place where eager allocates: `a *= b` with fp32 `a` and 16-bit `b` widens `b` exactly, as `a * b.float()`
+# does, and a reduction's `out=` variant is the same kernel as its functional one (tests/test_ops_in_graph.py
+# compares with the eager formulas bit for bit, across block edges).
+
+
+def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rstd_aten(x.to(fp32), eps)`` a block of rows at a time: the same bits, since ATen reduces each row of an
+    inner-dim reduction alone."""
+    acc = compute_dtype(x)
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty((rows.shape[0], 1), dtype=acc)
+    for b in _blocks(*rows.shape):
+        sq = rows[b].to(acc, copy=True)
+        torch.mean(sq.mul_(sq), -1, keepdim=True, out=out[b])  # mean(x^2): pow(2) is x * x
+    return out.add_(eps).rsqrt_().reshape(*x.shape[:-1], 1)
+
+
+def rms_row_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, rounded_product: bool) -> torch.Tensor:
+    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``, a block of rows at a time."""
+    acc = compute_dtype(x)
+    n = x.shape[-1]
+    g_rows, x_rows = grad.reshape(-1, n), x.reshape(-1, n)
+    out = x_rows.new_empty((x_rows.shape[0], 1), dtype=acc)
+    for b in _blocks(*x_rows.shape):
+        # grad_normed: r(grad * weight) widened, or grad32 * weight32
+        grad_normed = (g_rows[b] * weight).to(acc) if rounded_product else g_rows[b].to(acc).mul_(weight)
+        torch.sum(grad_normed.mul_(x_rows[b]), -1, keepdim=True, out=out[b])
+    return out.reshape(*x.shape[:-1], 1)
+
+
+def silu_backward_of_product_blocks(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``Eager.silu_backward_of_product`` a block of elements at a time: element-wise, so the same bits."""
+    acc = compute_dtype(gate)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    flat, g, u, x = out.view(-1), grad.reshape(-1), up.reshape(-1), gate.reshape(-1)
+    step = _BLOCK_BYTES // 8  # two fp32 blocks live at once
+    for i in range(0, flat.numel(), step):
+        b = slice(i, i + step)
+        product = g[b].to(acc, copy=True).mul_(u[b])  # grad32 * up32
+        torch.ops.aten.silu_backward.grad_input(product, x[b].to(acc), grad_input=product)
+        flat[b].copy_(product)  # rounds to the gate's dtype, as .to() does
+    return out
+
+
+_lib.impl("rms_rstd_rows", rms_rstd_rows, "CompositeExplicitAutograd")
+_lib.impl("rms_row_dot_rows", rms_row_dot_rows, "CompositeExplicitAutograd")
+_lib.impl("silu_backward_of_product", silu_backward_of_product_blocks, "CompositeExplicitAutograd")
 
 _registered = False
 
@@ -104,6 +172,13 @@ def _(x, dtype):
 torch.library.register_fake("roundalign::rms_rstd")(lambda x32, eps: x32.new_empty((*x32.shape[:-1], 1)))
 torch.library.register_fake("roundalign::sum_to")(lambda t, size: t.new_empty(size))
 torch.library.register_fake("roundalign::silu_backward")(lambda grad, x: torch.empty_like(x))
+torch.library.register_fake("roundalign::rms_rstd_rows")(
+    lambda x, eps: x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x))
+)
+torch.library.register_fake("roundalign::rms_row_dot_rows")(
+    lambda grad, weight, x, rounded_product: x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x))
+)
+torch.library.register_fake("roundalign::silu_backward_of_product")(lambda grad, up, gate: torch.empty_like(gate))
 
 
 def rstd_op(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,12 +193,14 @@ def sum_to_op(t: torch.Tensor, shape) -> torch.Tensor:
     return torch.ops.roundalign.sum_to(t, list(shape))
 
 
-class Traced:
+class Traced(Eager):
     """The rounding primitives of ``roundalign.numerics.formulas.Eager``, in a form Inductor keeps. ``widen`` is the
-    widening op: ``roundalign::widen`` in forwards, ``roundalign::widen_saved`` in backwards."""
+    widening op: ``roundalign::widen`` in forwards, ``roundalign::widen_saved`` in backwards. ``in_model``: the
+    reductions and SiLU's backward read the stored 16-bit tensors a block at a time (the module docstring)."""
 
-    def __init__(self, widen):
+    def __init__(self, widen, in_model: bool = False):
         self._widen = widen
+        self.in_model = in_model
 
     def to(self, t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
         if t.dtype == dtype and dtype in LOW_PRECISION:
@@ -145,12 +222,38 @@ class Traced:
         wide = [self.to(t, torch.float32) for t in tensors]
         return self.to(fn(*wide), out)
 
+    def settle(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as stored in its dtype, for an opaque op to read. A 16-bit value a fused producer computed is
+        otherwise stored for the op and, in the same kernel, handed on unrounded to code that widens it (Inductor
+        forwards the stored value's fp32 source; seen on SwiGLU's backward)."""
+        return self.to(t, t.dtype)
+
     sum_to = staticmethod(sum_to_op)
 
     @staticmethod
     def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.roundalign.silu_backward(grad, x)
 
+    # The in-model forms read the 16-bit tensors as stored. Only a gradient is settled first: the activations a
+    # backward reads are saved tensors, stored already, and settling them would copy them.
+
+    def rstd(self, x32: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+        if self.in_model:
+            return torch.ops.roundalign.rms_rstd_rows(x, eps)
+        return rstd_op(x32, eps)
+
+    def row_dot(self, grad_normed, x32, grad, weight, x, rounded_product: bool) -> torch.Tensor:
+        if self.in_model and x.dtype in LOW_PRECISION and grad.dtype == x.dtype:
+            return torch.ops.roundalign.rms_row_dot_rows(self.settle(grad), weight, x, rounded_product)
+        return super().row_dot(grad_normed, x32, grad, weight, x, rounded_product)
+
+    def silu_backward_of_product(self, grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.in_model:
+            return torch.ops.roundalign.silu_backward_of_product(self.settle(grad), up, gate)
+        return super().silu_backward_of_product(grad, up, gate)
+
 
 TRACED = Traced(torch.ops.roundalign.widen)
 TRACED_BACKWARD = Traced(torch.ops.roundalign.widen_saved)
+IN_MODEL = Traced(torch.ops.roundalign.widen, in_model=True)
+IN_MODEL_BACKWARD = Traced(torch.ops.roundalign.widen_saved, in_model=True)

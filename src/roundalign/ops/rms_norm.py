@@ -35,92 +35,49 @@ from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import add_fp32_sum as _add_fp32_sum
 from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
-from roundalign.numerics.formulas import rstd_aten as _rstd
 from roundalign.ops._custom import define
-from roundalign.ops._traced import TRACED, TRACED_BACKWARD, rstd_op, sum_to_op
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
-def _backward(
-    grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd_fn, sum_to, num=EAGER, grad_dtype=None
-):
+def _backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype, num=EAGER, grad_dtype=None):
     """Autograd's backward of the RMSNorm formula, written out op for op (PyTorch's derivatives.yaml): the same bits
-    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``rstd_fn`` and
-    ``sum_to(t, shape)`` are the two reductions, so that the fused variants can keep them ATen's; ``num`` the rounding
-    primitives (``roundalign.numerics.formulas``). ``grad_dtype``: the dtype of ``x``'s
-    gradient, ``x``'s by default (fp32 where ``x`` is ``R`` standing in for ``S``)."""
+    without recording and replaying a graph under ``torch.func.vjp`` on every call. ``num``: the rounding primitives
+    and reductions (``roundalign.numerics.formulas``), so that compiled forms keep the reductions ATen's.
+    ``grad_dtype``: the dtype of ``x``'s gradient, ``x``'s by default (fp32 where ``x`` is ``R`` standing in for
+    ``S``)."""
     acc = compute_dtype(x)
     x32 = num.to(x, acc)
-    rstd = rstd_fn(x32, eps)
+    rstd = num.rstd(x32, eps, x)
     normed = x32 * rstd
-    if rule == RMSNormRule.ROUND_BEFORE_WEIGHT:  # weight * r(normed), in the 16-bit dtype
+    rounded_product = rule == RMSNormRule.ROUND_BEFORE_WEIGHT
+    if rounded_product:  # weight * r(normed), in the 16-bit dtype
         # MulBackward, then the broadcast's sum
-        grad_w = sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
+        grad_w = num.sum_to(num.ew(torch.mul, grad, num.to(normed, out_dtype)), weight.shape)
         grad_normed = num.to(num.ew(torch.mul, grad, weight), acc)  # MulBackward, then the cast's backward
     elif rule in (RMSNormRule.ROUND_AFTER_WEIGHT, QKNormRule.FUSED_INTO_ROPE):  # normed * w32 [then r()]
         g32 = num.to(grad, acc)
-        grad_w = num.to(sum_to(g32 * normed, weight.shape), weight.dtype)
+        grad_w = num.to(num.sum_to(g32 * normed, weight.shape), weight.dtype)
         grad_normed = g32 * num.to(weight, acc)
     else:
         raise ValueError(f"unknown rms_norm rule {rule!r}")
     grad_x32 = grad_normed * rstd  # normed = x32 * rstd
-    grad_rstd = sum_to(grad_normed * x32, rstd.shape)
+    grad_rstd = num.row_dot(grad_normed, x32, grad, weight, x, rounded_product)  # sum(grad_normed * x32) per row
     grad_var = (-0.5 * grad_rstd) * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; `+ eps` passes it on
     grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean: grad.expand(shape) / n
     grad_x32 = grad_x32 + grad_sq * (2.0 * x32.pow(1.0))  # pow(2): grad * (2 * x^1), added to the product's
     return num.to(grad_x32, grad_dtype or x.dtype), grad_w
 
 
-def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
-    return t.sum_to_size(shape)
-
-
-def _rms_norm_backward(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, _rstd, _sum_to)
-
-
-def _rms_norm_backward_opaque_sums(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op)
-
-
-def _rms_norm_opaque_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: str, out_dtype: torch.dtype):
-    return _rms_norm(x, weight, eps, rule, out_dtype, rstd_op)
-
-
-def _rms_norm_traced(x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _rms_norm(x, weight, eps, rule, out_dtype, rstd_op, num=TRACED)
-
-
-def _rms_norm_backward_traced(grad, x, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, x, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD)
-
-
 # The norm of the fp32 sum: inputs (s, r, weight) with r = r(s); the forward reads s, the backward r (see the
 # module docstring), so s is not saved. Its gradient comes back in s's dtype (fp32).
 
 
-def _rms_norm_of_sum(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, rstd=None, *, num=EAGER):
-    return _rms_norm(s, weight, eps, rule, out_dtype, rstd, num=num)
+def _rms_norm_of_sum(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, *, num=EAGER):
+    return _rms_norm(s, weight, eps, rule, out_dtype, num=num)
 
 
 def _rms_norm_of_sum_backward(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype, num=EAGER):
-    return _backward(grad, r, weight, eps, rule, out_dtype, _rstd, _sum_to, num, grad_dtype=s.dtype)
-
-
-def _rms_norm_of_sum_opaque_rstd(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _rms_norm(s, weight, eps, rule, out_dtype, rstd_op)
-
-
-def _rms_norm_of_sum_backward_opaque_sums(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, r, weight, eps, rule, out_dtype, rstd_op, sum_to_op, grad_dtype=s.dtype)
-
-
-def _rms_norm_of_sum_traced(s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _rms_norm(s, weight, eps, rule, out_dtype, rstd_op, num=TRACED)
-
-
-def _rms_norm_of_sum_backward_traced(grad, s, r, weight, eps: float, rule: str, out_dtype: torch.dtype):
-    return _backward(grad, r, weight, eps, rule, out_dtype, rstd_op, sum_to_op, num=TRACED_BACKWARD, grad_dtype=s.dtype)
+    return _backward(grad, r, weight, eps, rule, out_dtype, num, grad_dtype=s.dtype)
 
 
 def _add_fp32_sum_backward(grad_r, grad_s, a, h, out_dtype, num=EAGER):
@@ -136,26 +93,20 @@ def _add_rounded_backward(grad, a, h, num=EAGER):
 
 
 _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
-# Inside a compiled model both variants run the same traced formula (roundalign.ops._traced).
-_RMS_TRACED = (_rms_norm_traced, _rms_norm_backward_traced)
-_rms_norm_op = define(
-    "rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_rms_norm_backward, traced=_RMS_TRACED
-)
+_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_backward)
 # Fused: Inductor fuses the elementwise work of the forward and of the written-out backward; the variance and the
 # backward's two sums run as opaque ATen ops inside, in ATen's order.
 _rms_norm_compiled_op = define(
     "rms_norm_compiled",
-    _rms_norm_opaque_rstd,
+    _rms_norm,
     ["x", "weight"],
     _RMS_CONSTS,
     1,
     [0, 1],
     compile=True,
-    backward=_rms_norm_backward_opaque_sums,
+    backward=_backward,
     rowwise=True,
-    traced=_RMS_TRACED,
 )
-_OF_SUM_TRACED = (_rms_norm_of_sum_traced, _rms_norm_of_sum_backward_traced)
 _rms_norm_of_sum_op = define(
     "rms_norm_of_sum",
     _rms_norm_of_sum,
@@ -165,20 +116,18 @@ _rms_norm_of_sum_op = define(
     [0, 2],
     needed=[1, 2],
     backward=_rms_norm_of_sum_backward,
-    traced=_OF_SUM_TRACED,
 )
 _rms_norm_of_sum_compiled_op = define(
     "rms_norm_of_sum_compiled",
-    _rms_norm_of_sum_opaque_rstd,
+    _rms_norm_of_sum,
     ["s", "r", "weight"],
     _RMS_CONSTS,
     1,
     [0, 2],
     needed=[1, 2],
     compile=True,
-    backward=_rms_norm_of_sum_backward_opaque_sums,
+    backward=_rms_norm_of_sum_backward,
     rowwise=True,
-    traced=_OF_SUM_TRACED,
 )
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define(

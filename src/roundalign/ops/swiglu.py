@@ -27,9 +27,9 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, r
         return grad_gate, num.ew(torch.mul, grad, num.ew(F.silu, gate))
     if rule == SwiGLURule.ONCE:
         acc = compute_dtype(gate)
-        g32, u32, grad32 = num.to(gate, acc), num.to(up, acc), num.to(grad, acc)
-        grad_gate = num.silu_backward(grad32 * u32, g32)
-        return num.to(grad_gate, gate.dtype), num.to(grad32 * F.silu(g32), up.dtype)
+        g32, grad32 = num.to(gate, acc), num.to(grad, acc)
+        grad_gate = num.silu_backward_of_product(grad, up, gate)  # r(silu_backward(grad32 * u32, g32))
+        return grad_gate, num.to(grad32 * F.silu(g32), up.dtype)
     raise ValueError(f"unknown swiglu rule {rule!r}")
 
 
