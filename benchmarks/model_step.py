@@ -16,7 +16,9 @@ Modes: ``eager`` and ``compiled`` (``model.compile()``: Dynamo + Inductor over t
 since HF computes it there; AOTAutograd compiles the backward, and the ops are traced into the graph, fused with
 their neighbours; the AdamW step stays eager). Each round runs one step of every variant in turn (interleaved, so
 machine drift hits all alike); round 1 is warm-up (and compilation); the table gives medians and ratios to the
-stock row of the same case and mode.
+stock row of the same case and mode. ``time_band`` is the noise band of a time ratio: the quartiles of the per-round
+ratios (each round's step time over stock's in the same round), so a ratio whose band holds 1.00 is a tie within
+the run's noise.
 
 ``--gemm``: what the linear layers' GEMMs run as, the same in every variant. ``native`` is the model's bf16 GEMM.
 ``fp32`` computes each ``F.linear`` in fp32 and rounds its output to bf16 once: on a CPU without native bf16 GEMMs
@@ -233,6 +235,7 @@ def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int)
     stock = rows[0]
     for row in rows:
         row["time_ratio"] = row["time_ms"] / stock["time_ms"]
+        row["time_band"] = ratio_band(row["times_ms"][1:], stock["times_ms"][1:])
         row["saved_ratio"] = row["saved_bytes"] / stock["saved_bytes"]
         row["peak_ratio"] = row["peak_bytes"] / stock["peak_bytes"]
     del trainers, base
@@ -241,15 +244,25 @@ def run_case(name: str, batch: int, seq: int, mode: str, rounds: int, seed: int)
     return rows
 
 
+def ratio_band(times: list[float], stock_times: list[float]) -> list[float]:
+    """The quartiles of the per-round ratios ``times[i] / stock_times[i]`` (both without the warm-up round)."""
+    ratios = [t / s for t, s in zip(times, stock_times, strict=True)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'model':<15}{'shape':>9} {'mode':<9}{'variant':<9}{'time ms':>10}{'x stock':>9}"
-            f"{'saved MiB':>11}{'x stock':>9}{'peak MiB':>10}{'x stock':>9}{'compile s':>11}")  # fmt: skip
+            f"{'band':>12}{'saved MiB':>11}{'x stock':>9}{'peak MiB':>10}{'x stock':>9}{'compile s':>11}")  # fmt: skip
     lines = [head]
     for r in rows:
         comp = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         lines.append(
             f"{r['name']:<15}{r['shape']:>9} {r['mode']:<9}{r['variant']:<9}{r['time_ms']:>10.1f}"
-            f"{r['time_ratio']:>8.3f}x{r['saved_bytes'] / 2**20:>11.1f}{r['saved_ratio']:>8.3f}x"
+            f"{r['time_ratio']:>8.3f}x{'{:.2f}-{:.2f}'.format(*r['time_band']):>12}"
+            f"{r['saved_bytes'] / 2**20:>11.1f}{r['saved_ratio']:>8.3f}x"
             f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_ratio']:>8.3f}x{comp:>11}"
         )
     return "\n".join(lines)
@@ -290,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {machine['torch_threads']} torch "
         f"threads, torch {machine['torch']}, transformers {machine['transformers']}, {machine['date']}"
     )
-    print(f"{PASS}: forward + backward + AdamW; round 1 warm-up; medians; ratios to stock in the same run")
+    print(f"{PASS}: forward + backward + AdamW; round 1 warm-up; medians; ratios to stock in the same run; band: "
+          "the quartiles of the per-round ratios")  # fmt: skip
     print(f"linear layers' GEMMs: {machine['gemm']} ({why})")
     cases = QUICK_CASES if args.quick else FULL_CASES + EXTRA_CASES
     if args.cases:

@@ -36,8 +36,9 @@ def _check_suite(result: dict, modes: set[str]) -> None:
         assert r["saved_bytes"] > 0 and r["saved_param_bytes"] > 0 and r["peak_bytes"] > 0
         assert r["step_peak_bytes"] >= r["peak_bytes"]
         assert (r["compile_s"] is not None) == (r["mode"] == "compiled")
+        assert r["time_band"][0] <= r["time_band"][1]
     for r in stock.values():
-        assert r["time_ratio"] == r["saved_ratio"] == r["peak_ratio"] == 1.0
+        assert r["time_ratio"] == r["saved_ratio"] == r["peak_ratio"] == 1.0 and r["time_band"] == [1.0, 1.0]
     assert {r["variant"] for r in rows} == set(model_step.VARIANTS)
 
 
@@ -113,6 +114,19 @@ def test_report_marks_misses_against_each_target():
     lines, misses, checked = report.table(rows)
     assert (misses, checked) == (2, 5)  # compiled time 1.04 > 1.00 and peak 1.01 > 1.00; eager 1.04 <= 1.05
     assert "1.040 (≤ 1.00) **miss**" in lines[3] and "1.040 (≤ 1.05) |" in lines[4]
+
+    # With its noise band (the quartiles of the per-round ratios): a band reaching the target is a tie.
+    rows[1]["time_band"] = [0.99, 1.08]
+    lines, misses, checked = report.table(rows)
+    assert (misses, checked) == (1, 5) and "1.040 [0.99-1.08] (≤ 1.00) tie" in lines[3]
+    rows[1]["time_band"] = [1.01, 1.08]
+    lines, misses, checked = report.table(rows)
+    assert (misses, checked) == (2, 5) and "1.040 [1.01-1.08] (≤ 1.00) **miss**" in lines[3]
+
+
+def test_ratio_band_is_the_quartiles_of_the_per_round_ratios():
+    assert model_step.ratio_band([2.0, 4.0, 6.0, 8.0, 10.0], [2.0] * 5) == [2.0, 4.0]
+    assert model_step.ratio_band([3.0], [2.0]) == [1.5, 1.5]  # one timed round: no spread to give
 
 
 def test_report_names_what_is_wrong(tmp_path):
