@@ -151,8 +151,10 @@ def test_quick_compiled_rms_norm(tmp_path):
     _check_structure(data, {"compiled"}, {"rms_norm"})
     for r in data["results"]:
         assert r["compile_s"] > 0
-        if r["pass"] == "forward+backward" and r["variant"] != "stock":  # opaque custom op: same bytes compiled
-            assert r["saved_bytes"] == _expected_saved("rms_norm", r["variant"], r["seq"])
+        if r["pass"] == "forward+backward" and r["variant"] != "stock":
+            # Traced into the graph, the forward's variance call and the backward's read the same stored x, so
+            # AOTAutograd keeps one call and saves its fp32 rows (one a row, as stock saves rsqrt's) for the backward.
+            assert r["saved_bytes"] == _expected_saved("rms_norm", r["variant"], r["seq"]) + FP32 * r["seq"]
 
 
 def test_bad_arguments_name_the_problem(capsys):
