@@ -121,6 +121,12 @@ def define(
     return Op(name, formula, tensors, consts, n_out, diff, needed, compile, backward, rowwise, forms)
 
 
+def define_pair(name: str, formula: Callable, *args, **kwargs) -> tuple[Op, Op]:
+    """The op ``name`` and its fused variant ``name_compiled`` (``compile=True``), from one set of ``define``'s
+    arguments."""
+    return define(name, formula, *args, **kwargs), define(f"{name}_compiled", formula, *args, compile=True, **kwargs)
+
+
 class Op:
     """One op, two ways in: a direct ``autograd.Function`` in eager mode (no dispatcher, no guards: the per-call cost
     that dominates a narrow model), and a ``torch.library`` custom op while Dynamo traces, which Inductor treats as

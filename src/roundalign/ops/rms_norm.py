@@ -35,7 +35,7 @@ from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import add_fp32_sum as _add_fp32_sum
 from roundalign.numerics.formulas import add_rounded as _add_rounded
 from roundalign.numerics.formulas import rms_norm as _rms_norm
-from roundalign.ops._custom import define
+from roundalign.ops._custom import define, define_pair
 from roundalign.profiles import QKNormRule, ResidualRule, RMSNormRule
 
 
@@ -93,21 +93,12 @@ def _add_rounded_backward(grad, a, h, num=EAGER):
 
 
 _RMS_CONSTS = [("float", "eps"), ("str", "rule"), ("ScalarType", "out_dtype")]
-_rms_norm_op = define("rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_backward)
-# Fused: Inductor fuses the elementwise work of the forward and of the written-out backward; the variance and the
-# backward's two sums run as opaque ATen ops inside, in ATen's order.
-_rms_norm_compiled_op = define(
-    "rms_norm_compiled",
-    _rms_norm,
-    ["x", "weight"],
-    _RMS_CONSTS,
-    1,
-    [0, 1],
-    compile=True,
-    backward=_backward,
-    rowwise=True,
+# The fused variants: Inductor fuses the elementwise work of the forward and of the written-out backward; the
+# variance and the backward's two sums run as opaque ATen ops inside, in ATen's order.
+_rms_norm_op, _rms_norm_compiled_op = define_pair(
+    "rms_norm", _rms_norm, ["x", "weight"], _RMS_CONSTS, 1, [0, 1], backward=_backward, rowwise=True
 )
-_rms_norm_of_sum_op = define(
+_rms_norm_of_sum_op, _rms_norm_of_sum_compiled_op = define_pair(
     "rms_norm_of_sum",
     _rms_norm_of_sum,
     ["s", "r", "weight"],
@@ -116,24 +107,13 @@ _rms_norm_of_sum_op = define(
     [0, 2],
     needed=[1, 2],
     backward=_rms_norm_of_sum_backward,
-)
-_rms_norm_of_sum_compiled_op = define(
-    "rms_norm_of_sum_compiled",
-    _rms_norm_of_sum,
-    ["s", "r", "weight"],
-    _RMS_CONSTS,
-    1,
-    [0, 2],
-    needed=[1, 2],
-    compile=True,
-    backward=_rms_norm_of_sum_backward,
     rowwise=True,
 )
 # The adds are linear: their backward reads no input values, so a and h are not saved.
 _add_rounded_op = define(
     "add_rounded", _add_rounded, ["a", "h"], [], 1, [0, 1], needed=[], backward=_add_rounded_backward
 )
-_add_fp32_sum_op = define(
+_add_fp32_sum_op, _add_fp32_sum_compiled_op = define_pair(
     "add_fp32_sum",
     _add_fp32_sum,
     ["a", "h"],
@@ -141,17 +121,6 @@ _add_fp32_sum_op = define(
     2,
     [0, 1],
     needed=[],
-    backward=_add_fp32_sum_backward,
-)
-_add_fp32_sum_compiled_op = define(
-    "add_fp32_sum_compiled",
-    _add_fp32_sum,
-    ["a", "h"],
-    [("ScalarType", "out_dtype")],
-    2,
-    [0, 1],
-    needed=[],
-    compile=True,
     backward=_add_fp32_sum_backward,
     rowwise=True,
 )

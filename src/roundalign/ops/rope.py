@@ -19,7 +19,7 @@ import torch
 from roundalign.numerics.dtypes import compute_dtype, default_out_dtype
 from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import rope as _rope
-from roundalign.ops._custom import define
+from roundalign.ops._custom import define_pair
 from roundalign.profiles import RopeRounding
 
 
@@ -59,17 +59,8 @@ def _rope_backward(
 
 # RoPE is linear in x: the backward needs cos and sin only, so x is not saved.
 _ROPE_CONSTS = [("str", "rounding"), ("ScalarType", "out_dtype")]
-_rope_op = define("rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2], backward=_rope_backward)
-_rope_compiled_op = define(
-    "rope_compiled",
-    _rope,
-    ["x", "cos", "sin"],
-    _ROPE_CONSTS,
-    1,
-    [0],
-    needed=[1, 2],
-    compile=True,
-    backward=_rope_backward,
+_rope_op, _rope_compiled_op = define_pair(
+    "rope", _rope, ["x", "cos", "sin"], _ROPE_CONSTS, 1, [0], needed=[1, 2], backward=_rope_backward
 )
 
 

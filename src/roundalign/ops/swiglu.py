@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from roundalign.numerics.dtypes import compute_dtype
 from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import swiglu as _swiglu
-from roundalign.ops._custom import define
+from roundalign.ops._custom import define_pair
 from roundalign.profiles import SwiGLURule
 
 
@@ -33,17 +33,8 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, r
     raise ValueError(f"unknown swiglu rule {rule!r}")
 
 
-_swiglu_op = define("swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], backward=_swiglu_backward)
-_swiglu_compiled_op = define(
-    "swiglu_compiled",
-    _swiglu,
-    ["gate", "up"],
-    [("str", "rule")],
-    1,
-    [0, 1],
-    compile=True,
-    backward=_swiglu_backward,
-    rowwise=True,
+_swiglu_op, _swiglu_compiled_op = define_pair(
+    "swiglu", _swiglu, ["gate", "up"], [("str", "rule")], 1, [0, 1], backward=_swiglu_backward, rowwise=True
 )
 
 
