@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from roundalign import native
 from roundalign.sync import Exporter, ExportState, _native, export_bf16, noise, tensor_seed
 from tests import formulas
 
@@ -172,7 +173,7 @@ def test_build_is_cached_and_a_missing_compiler_falls_back_with_one_warning(monk
     def no_compiler():
         raise RuntimeError("no C or C++ compiler found (install gcc, or set CXX or CC)")
 
-    monkeypatch.setattr(_native, "_compiler", no_compiler)
+    monkeypatch.setattr(native, "compiler", no_compiler)
     monkeypatch.setattr(_native, "_state", {})
     x = _specials(5000, 2)
     with pytest.warns(RuntimeWarning, match="no C or C.. compiler found.*the same bits"):

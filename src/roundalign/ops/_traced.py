@@ -23,10 +23,12 @@ instead of ``num=EAGER``; tests/test_ops_compiled.py checks a compiled model aga
 activation costs an fp32 copy of it (and ATen's ``x^2`` beside it), and SwiGLU's backward two fp32 MLP-wide tensors.
 Inside one of our fused kernels that is a transient of one op. Inside a compiled model it is held at the backward's
 peak, beside the saved activations, where stock's fused reductions hold nothing. So the forms a compiled model
-traces (``IN_MODEL``, ``IN_MODEL_BACKWARD``) call ops that read the stored 16-bit tensors and widen about 1 MiB of
-rows at a time (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``, ``silu_backward_of_product``): the same bits,
-since rows and elements are reduced alone. Our fused kernels (``TRACED``, ``TRACED_BACKWARD``) keep the
-whole-tensor calls, which Inductor fuses with their widenings (the blocked loop costs a narrow model's step time).
+traces (``IN_MODEL``, ``IN_MODEL_BACKWARD``) call ops that read the stored 16-bit tensors
+(``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``, ``silu_backward_of_product``): the row sums in one pass by C
+kernels that restate ATen's summation order (``roundalign.ops._rowsum``), else, like SiLU's backward, ATen's calls
+on about 1 MiB of widened rows at a time: the same bits, since rows and elements are reduced alone. Our fused
+kernels (``TRACED``, ``TRACED_BACKWARD``) keep the whole-tensor calls, which Inductor fuses with their widenings (the
+blocked loop costs a narrow model's step time).
 
 Without Inductor (another backend) the primitives run as the plain casts they stand for: the same numbers. Their
 Inductor lowerings register the first time a graph uses them (their fake kernels run while Dynamo traces, before
@@ -41,6 +43,7 @@ import torch
 
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
 from roundalign.numerics.formulas import Eager, rstd_aten
+from roundalign.ops import _rowsum
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
 # Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
@@ -79,8 +82,11 @@ def _blocks(n_rows: int, row_len: int) -> list[slice]:
 
 
 def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rstd_aten(x.to(fp32), eps)`` a block of rows at a time: the same bits, since ATen reduces each row of an
-    inner-dim reduction alone."""
+    """``rstd_aten(x.to(fp32), eps)``: by the row-sum kernels (``_rowsum``), else a block of rows at a time: the same
+    bits, since ATen reduces each row of an inner-dim reduction alone."""
+    sums = _rowsum.row_sums(x)
+    if sums is not None:  # ATen's mean is its sum divided by the count
+        return sums.div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
     acc = compute_dtype(x)
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty((rows.shape[0], 1), dtype=acc)
@@ -91,7 +97,10 @@ def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_row_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, rounded_product: bool) -> torch.Tensor:
-    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``, a block of rows at a time."""
+    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``: by the row-sum kernels, else a block of rows at a time."""
+    sums = _rowsum.row_sums(x, grad, weight, rounded_product)
+    if sums is not None:
+        return sums.unsqueeze(-1)
     acc = compute_dtype(x)
     n = x.shape[-1]
     g_rows, x_rows = grad.reshape(-1, n), x.reshape(-1, n)

@@ -2,11 +2,9 @@
 
 A stochastic or error-feedback export in torch ops is several element-wise passes, and computing the noise is
 slower still; the C kernels do each mode in one pass, at about the cost of the plain cast (docs/sync.md, Cost). They
-are compiled once per machine with the C++ compiler Inductor uses (``$CXX``, else g++; the fused ops need it too),
-into ``$ROUNDALIGN_CACHE_DIR`` (default ``~/.cache/roundalign``) under a name that hashes the source, the compiler
-and the CPU's flags, so an upgrade or another CPU never loads a stale or foreign build. A tensor is split into as many
-contiguous runs of work as torch has threads (``run_many``: a whole state_dict is one C call per thread); ctypes
-releases the GIL during each call, so the runs go in parallel.
+are compiled once per machine (``roundalign.native``; cached in ``$ROUNDALIGN_CACHE_DIR/sync-kernels``). A tensor is
+split into as many contiguous runs of work as torch has threads (``run_many``: a whole state_dict is one C call per
+thread); ctypes releases the GIL during each call, so the runs go in parallel.
 
 Where no compiler works, ``kernels()`` is None and export.py runs the torch formulas (the same bits, slower) after
 one RuntimeWarning; ``ROUNDALIGN_SYNC_KERNELS=0`` asks for that path on purpose.
@@ -15,76 +13,26 @@ one RuntimeWarning; ``ROUNDALIGN_SYNC_KERNELS=0`` asks for that path on purpose.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from roundalign import native
+
 ENV = "ROUNDALIGN_SYNC_KERNELS"
 SOURCE = Path(__file__).with_name("_native.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-x", "c"]
+_FLAGS = native.FLAGS
 _MIN_SPLIT = 1 << 16  # elements per thread below which one call does all the work (a thread hand-off costs more)
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None
 _pool: list = []  # [ThreadPoolExecutor, its size, the pid that made it]
 
 
-def _compiler() -> str:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        return get_cpp_compiler()
-    except Exception:  # no Inductor toolchain: a plain C compiler still does
-        import shutil
-
-        for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-            if name and shutil.which(name):
-                return name
-        raise RuntimeError("no C or C++ compiler found (install gcc, or set CXX or CC)") from None
-
-
-def _cpu_signature() -> str:
-    """What a -march=native build depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
-    except OSError:
-        lines = []
-    return "\n".join([platform.machine(), platform.processor(), *lines])
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ROUNDALIGN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "roundalign")
-    return Path(root) / "sync-kernels"
-
-
 def _build() -> ctypes.CDLL:
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode()])
-    ).hexdigest()[:16]
-    target = cache_dir() / f"libroundalign_sync-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: processes that build at once never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    lib = native.build(SOURCE, "sync-kernels", "libroundalign_sync", _FLAGS)
     u32, i64, u64, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
     lib.roundalign_sr_bf16.argtypes = [ptr, ptr, i64, u64, u32, u32, u32]  # one tensor: what the tests call
     lib.roundalign_sr_bf16.restype = None
