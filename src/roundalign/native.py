@@ -47,12 +47,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("ROUNDALIGN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "roundalign"))
 
 
-def build(source: Path, subdir: str, stem: str, flags: list[str] = FLAGS) -> ctypes.CDLL:
-    """``source`` compiled with ``flags`` (once; cached in ``cache_root() / subdir``) and loaded."""
+def build(source: Path, subdir: str, stem: str, flags: list[str] = FLAGS, libs: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``source`` compiled with ``flags``, linked with ``libs`` (once; cached in ``cache_root() / subdir``), loaded."""
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_signature().encode()])
+        b"\0".join(
+            [source.read_bytes(), " ".join([*flags, *libs]).encode(), version.encode(), cpu_signature().encode()]
+        )
     ).hexdigest()[:16]
     target = cache_root() / subdir / f"{stem}-{digest}.so"
     if not target.exists():
@@ -60,7 +62,7 @@ def build(source: Path, subdir: str, stem: str, flags: list[str] = FLAGS) -> cty
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
             os.replace(tmp, target)

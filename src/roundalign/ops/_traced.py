@@ -25,8 +25,8 @@ Inside one of our fused kernels that is a transient of one op. Inside a compiled
 peak, beside the saved activations, where stock's fused reductions hold nothing. So the forms a compiled model
 traces (``IN_MODEL``, ``IN_MODEL_BACKWARD``) call ops that read the stored 16-bit tensors
 (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``, ``silu_backward_of_product``): the row sums in one pass by C
-kernels that restate ATen's summation order (``roundalign.ops._rowsum``), else, like SiLU's backward, ATen's calls
-on about 1 MiB of widened rows at a time: the same bits, since rows and elements are reduced alone. Our fused
+kernels that restate ATen's summation order and SiLU's backward (``roundalign.ops._aten``), else ATen's calls on
+about 1 MiB of widened rows at a time: the same bits, since rows and elements are reduced alone. Our fused
 kernels (``TRACED``, ``TRACED_BACKWARD``) keep the whole-tensor calls, which Inductor fuses with their widenings (the
 blocked loop costs a narrow model's step time).
 
@@ -43,7 +43,7 @@ import torch
 
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
 from roundalign.numerics.formulas import Eager, rstd_aten
-from roundalign.ops import _rowsum
+from roundalign.ops import _aten
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
 # Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
@@ -82,9 +82,9 @@ def _blocks(n_rows: int, row_len: int) -> list[slice]:
 
 
 def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rstd_aten(x.to(fp32), eps)``: by the row-sum kernels (``_rowsum``), else a block of rows at a time: the same
+    """``rstd_aten(x.to(fp32), eps)``: by the row-sum kernel (``_aten``), else a block of rows at a time: the same
     bits, since ATen reduces each row of an inner-dim reduction alone."""
-    sums = _rowsum.row_sums(x)
+    sums = _aten.row_sums(x)
     if sums is not None:  # ATen's mean is its sum divided by the count
         return sums.div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
     acc = compute_dtype(x)
@@ -97,8 +97,8 @@ def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_row_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, rounded_product: bool) -> torch.Tensor:
-    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``: by the row-sum kernels, else a block of rows at a time."""
-    sums = _rowsum.row_sums(x, grad, weight, rounded_product)
+    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``: by the row-sum kernel, else a block of rows at a time."""
+    sums = _aten.row_sums(x, grad, weight, rounded_product)
     if sums is not None:
         return sums.unsqueeze(-1)
     acc = compute_dtype(x)
@@ -113,7 +113,11 @@ def rms_row_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, 
 
 
 def silu_backward_of_product_blocks(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``Eager.silu_backward_of_product`` a block of elements at a time: element-wise, so the same bits."""
+    """``Eager.silu_backward_of_product``: by the SiLU kernel (``_aten``), else a block of elements at a time
+    (element-wise, so the same bits)."""
+    out = _aten.silu_backward_of_product(grad, up, gate)
+    if out is not None:
+        return out
     acc = compute_dtype(gate)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     flat, g, u, x = out.view(-1), grad.reshape(-1), up.reshape(-1), gate.reshape(-1)

@@ -1,0 +1,202 @@
+"""C restatements of two ATen CPU kernels for a compiled model's opaque ops: ATen's bits, one pass, no fp32 copies.
+
+A compiled model's RMSNorm and SwiGLU keep ATen's arithmetic where Inductor's would differ, so that they equal the
+eager ops bit for bit (``roundalign.ops._traced``): the variance and the backward's row sum in ATen's summation
+order, and SiLU's backward as ATen's kernel computes it. ATen's calls need their operands in fp32: the 16-bit
+activations widened (and squared, or multiplied by the gradient) into fp32 copies, several passes. ``_aten.c``
+restates the two kernels and computes each operand on the fly from the stored 16-bit tensors:
+
+- ``row_sums``: ATen's ``sum`` over the last dim (``SumKernel.cpp``: a cascade over W-lane vectors, four
+  accumulators interleaved, the leftover elements and the lanes added last), of ``x^2`` or ``grad_normed * x``;
+- ``silu_backward_of_product``: ``r(silu_backward(grad * up, gate))`` as ATen's kernel computes it on the whole
+  tensor (Sleef's exp in its vector loop, libm's on the elements each thread's range leaves over).
+
+Each is used only where a probe, run when the library loads, finds ATen computing the same bits on this machine:
+the row sums of random rows (short, vector-sized, long enough for the cascade's upper levels) at exactly one lane
+count W, and SiLU's backward on every bf16 and fp16 gate value through both of ATen's exps, at this machine's W and
+thread ranges. Elsewhere (no C compiler, another CPU architecture, a torch built otherwise) a kernel stays off, with
+one warning, and ATen's calls run: the same bits, slower. ``ROUNDALIGN_ATEN_KERNELS=0`` turns both off on purpose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from roundalign import native
+
+ENV = "ROUNDALIGN_ATEN_KERNELS"
+SOURCE = Path(__file__).with_name("_aten.c")
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen splits work of more elements over threads
+_SQUARES, _PRODUCTS = 0, 1  # the row-sum kinds: sum(x^2), sum(grad_normed * x)
+_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernels' stored formats
+_state: dict = {}  # "lib", "rows", "silu": the library and each kernel's lane count W, or None; "why": reasons
+
+
+def _load() -> ctypes.CDLL:
+    # -fno-trapping-math: the exp's selects become vector blends (no value changes: nothing is reassociated)
+    lib = native.build(SOURCE, "aten-kernels", "libroundalign_aten", [*native.FLAGS, "-fno-trapping-math"], ("-lm",))
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.roundalign_row_sums.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
+    lib.roundalign_row_sums.restype = None
+    lib.roundalign_silu_backward_of_product.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.roundalign_silu_backward_of_product.restype = None
+    return lib
+
+
+def _rows_width(lib: ctypes.CDLL) -> int:
+    """ATen's lane count for row sums: the one W at which the kernel's sums equal ``torch.sum``'s on every row."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randn(16, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (16, n), generator=gen).float())
+              for n in (5, 37, 300, 1100, 2100)]  # fmt: skip
+    matches = []
+    for width in (8, 16):
+        same = True
+        for x in probes:
+            got = torch.empty(x.shape[0])
+            lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, got.data_ptr(), *x.shape, width, 2, 0)
+            same = same and torch.equal(got, x.pow(2).sum(-1))
+        if same:
+            matches.append(width)
+    if len(matches) != 1:
+        raise RuntimeError(f"torch {torch.__version__} sums rows in an order the kernel does not restate here")
+    return matches[0]
+
+
+def _silu_call(lib, grad, up, gate, out, width: int, threads: int, out_fp32: bool) -> None:
+    lib.roundalign_silu_backward_of_product(
+        grad.data_ptr(), up.data_ptr(), gate.data_ptr(), out.data_ptr(), gate.numel(), threads, width,
+        _FORMATS[gate.dtype], int(out_fp32),
+    )  # fmt: skip
+
+
+def _silu_width(lib: ctypes.CDLL) -> int:
+    """ATen's lane count for SiLU's backward, after checking the kernel against ATen on every 16-bit gate value."""
+    threads = torch.get_num_threads()
+    every_path = 1 << 30  # a width no range reaches: every element takes the scalar exp
+    for dtype in (torch.bfloat16, torch.float16):
+        gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        for dy in (1.0, 3.3):  # dy * s * t: two dys pin down s * t and its rounding
+            grad, up = torch.full_like(gate, dy), torch.ones_like(gate)
+            dy32 = grad.float() * up.float()
+            got = torch.empty(gate.shape)
+            # the vector exp: whole vector steps, ranges of 32,768 (a multiple of any step)
+            _silu_call(lib, grad, up, gate, got, 8, 1, True)
+            vector = torch.cat([torch.ops.aten.silu_backward(dy32[i : i + _GRAIN], gate[i : i + _GRAIN].float())
+                                for i in range(0, gate.numel(), _GRAIN)])  # fmt: skip
+            _check(got, vector, f"SiLU's backward on every {dtype} gate value (vector exp)")
+            # the scalar exp: ATen's scalar loop runs on strided operands, the kernel with no vector step
+            _silu_call(lib, grad, up, gate, got, every_path, 1, True)
+            scalar = torch.ops.aten.silu_backward(_strided(dy32), _strided(gate.float()))
+            _check(got, scalar, f"SiLU's backward on every {dtype} gate value (scalar exp)")
+    # Which elements take which exp: gate values where the two differ, at every position of a tensor split over this
+    # machine's threads; exactly one W must give ATen's bits.
+    differ = (vector.view(torch.int32) != scalar.view(torch.int32)) & ~vector.isnan()
+    tricky = gate[differ]  # fp16 gate values (the last dtype probed)
+    if tricky.numel() == 0:
+        return 8  # both exps agree everywhere: positions cannot matter
+    n = 3 * _GRAIN + 2 * 16 + 13
+    gate = tricky.repeat(n // tricky.numel() + 1)[:n].contiguous()
+    grad, up = torch.ones_like(gate), torch.ones_like(gate)
+    expected = torch.ops.aten.silu_backward(grad.float(), gate.float())
+    matches = []
+    for width in (8, 16):
+        got = torch.empty(gate.shape)
+        _silu_call(lib, grad, up, gate, got, width, threads, True)
+        if torch.equal(got.view(torch.int32), expected.view(torch.int32)):
+            matches.append(width)
+    if len(matches) != 1:
+        raise RuntimeError("ATen's SiLU backward splits its vector and scalar elements otherwise than the kernel")
+    return matches[0]
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a view with stride 2: ATen's element-wise loops take their scalar path on it."""
+    return torch.stack([t, t], -1)[..., 0]
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
+    if not bool(same.all()):
+        raise RuntimeError(f"{what} differs from ATen's on this machine (torch {torch.__version__})")
+
+
+def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
+    """(library, W) for one kernel, or None (with one RuntimeWarning saying why) where it is off."""
+    if name not in _state:
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            _state.update({name: None, f"why_{name}": f"${ENV}=0"})
+            return None
+        try:
+            if "lib" not in _state:
+                _state["lib"] = None
+                _state["lib"] = _load()
+            if _state["lib"] is None:
+                raise RuntimeError(_state.get("why_lib", "the library did not build"))
+            _state[name] = (_state["lib"], probe(_state["lib"]))
+        except Exception as exc:  # no compiler, a failed build, ATen computing otherwise
+            if _state.get("lib") is None:
+                _state["why_lib"] = str(exc)
+            _state.update({name: None, f"why_{name}": str(exc)})
+            warnings.warn(
+                f"roundalign: a compiled model's {name} kernel is unavailable ({exc}); it runs as ATen calls "
+                f"instead (the same bits, slower). Set {ENV}=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return _state[name]
+
+
+def row_sums(x: torch.Tensor, grad=None, weight=None, rounded_product: bool = False) -> torch.Tensor | None:
+    """Per row of ``x`` (its last dim), ATen's ``sum(x32 * x32)``, or with ``grad`` and ``weight`` its
+    ``sum(grad_normed * x32)`` where ``grad_normed`` is ``r(grad * weight)`` (``rounded_product`` and a 16-bit
+    ``weight``: a 16-bit product) else ``grad32 * weight32``; ``x32`` is ``x`` widened (bf16, fp16 or fp32 ``x``).
+    fp32, shape ``x.shape[:-1]``; None where the kernel is off or does not take these tensors (not on the CPU, or a
+    single long row, which ATen splits over threads)."""
+    if x.device.type != "cpu" or x.dtype not in _FORMATS or x.numel() == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.numel() // n
+    if rows == 1 and x.numel() >= _GRAIN and torch.get_num_threads() > 1:
+        return None
+    if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or weight.numel() != n):
+        return None
+    loaded = _kernel("row sums", _rows_width)
+    if loaded is None:
+        return None
+    lib, width = loaded
+    x = x.contiguous()
+    out = torch.empty(x.shape[:-1], dtype=torch.float32)
+    fmt = _FORMATS[x.dtype]
+    if grad is None:
+        lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, out.data_ptr(), rows, n, width, fmt, 0)
+        return out
+    grad = grad.contiguous()
+    w32 = weight.to(torch.float32).contiguous()  # exact; the product r(grad * weight) rounds only in weight's dtype
+    rounded = int(rounded_product and weight.dtype == x.dtype)
+    lib.roundalign_row_sums(
+        _PRODUCTS, x.data_ptr(), grad.data_ptr(), w32.data_ptr(), out.data_ptr(), rows, n, width, fmt, rounded
+    )
+    return out
+
+
+def silu_backward_of_product(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """``r(silu_backward(grad32 * up32, gate32))`` in the gate's dtype, as ATen computes it on the whole tensor
+    with torch's threads; None where the kernel is off or does not take these tensors (16-bit CPU tensors of one
+    dtype and shape)."""
+    if gate.device.type != "cpu" or gate.dtype not in (torch.bfloat16, torch.float16) or gate.numel() == 0:
+        return None
+    if grad.dtype != gate.dtype or up.dtype != gate.dtype or grad.shape != gate.shape or up.shape != gate.shape:
+        return None
+    loaded = _kernel("SiLU backward", _silu_width)
+    if loaded is None:
+        return None
+    lib, width = loaded
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    grad, up, gate = grad.contiguous(), up.contiguous(), gate.contiguous()
+    _silu_call(lib, grad, up, gate, out, width, torch.get_num_threads(), False)
+    return out
