@@ -68,7 +68,9 @@ def test_sum_of_products(dtype, rounded_product, weight_dtype):
 
 
 def test_in_model_ops_with_and_without_kernels(monkeypatch):
-    """The in-model ops give the same bits by the kernels and by ATen's blocked calls, on 3-d activations."""
+    """The in-model ops give the same bits by the kernels and by ATen's blocked calls (blocks of 5 rows, the last
+    ragged), on 3-d activations."""
+    monkeypatch.setattr(_traced, "_BLOCK_BYTES", 5 * 37 * 4)
     x = _rows(4 * 37 * 3, BF16, 1, rows=1).reshape(4, 3, 37)
     grad, w = _rows(37, BF16, 2, rows=12).reshape(4, 3, 37), _rows(37, BF16, 3, rows=1)[0].abs() + 0.5
     by_kernels = (_traced.rms_rstd_rows(x, 1e-6), _traced.rms_row_dot_rows(grad, w, x, True))
@@ -143,6 +145,7 @@ def test_silu_backward_of_product(dtype, threads):
 
 
 def test_silu_in_model_op_with_and_without_kernel(monkeypatch):
+    monkeypatch.setattr(_traced, "_BLOCK_BYTES", 4000)  # 500 elements a block, the last ragged
     g = torch.Generator().manual_seed(6)
     grad, up, gate = (torch.randn(3, 5, 301, generator=g).to(BF16) for _ in range(3))
     by_kernel = _traced.silu_backward_of_product_blocks(grad, up, gate)

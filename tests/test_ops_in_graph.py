@@ -7,8 +7,9 @@ that an op reads its inputs as stored and hands on outputs as rounded. The refer
 eagerly with the eager ops, whose formulas tests/test_ops.py checks against independent ones. Compiling takes
 seconds per case, hence ``slow``.
 
-The in-model reductions and SiLU's backward read their 16-bit inputs a block at a time; the cases run them with
-blocks of a few rows or elements, the last one ragged, so that every block edge is crossed.
+The in-model reductions and SiLU's backward run as C restatements of ATen's kernels (roundalign/ops/_aten.c), or,
+where those are off, as ATen's calls a block at a time; the cases run the second with blocks of a few rows or
+elements, the last one ragged, so that every block edge is crossed (``ROUNDALIGN_ATEN_KERNELS=0`` runs them here).
 """
 
 from __future__ import annotations
