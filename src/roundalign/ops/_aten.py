@@ -99,10 +99,10 @@ def _silu_width(lib: ctypes.CDLL) -> int:
     tricky = gate[differ]  # fp16 gate values (the last dtype probed)
     if tricky.numel() == 0:
         return 8  # both exps agree everywhere: positions cannot matter
-    n = 3 * _GRAIN + 2 * 16 + 13
+    n = 3 * _GRAIN + next(k for k in range(64) if _range_size(3 * _GRAIN + k, threads) % 32 >= 16)
     gate = tricky.repeat(n // tricky.numel() + 1)[:n].contiguous()
-    grad, up = torch.ones_like(gate), torch.ones_like(gate)
-    expected = torch.ops.aten.silu_backward(grad.float(), gate.float())
+    grad, up = torch.full_like(gate, 3.3), torch.ones_like(gate)  # the dy the differing values were found at
+    expected = torch.ops.aten.silu_backward(grad.float() * up.float(), gate.float())
     matches = []
     for width in (8, 16):
         got = torch.empty(gate.shape)
@@ -112,6 +112,13 @@ def _silu_width(lib: ctypes.CDLL) -> int:
     if len(matches) != 1:
         raise RuntimeError("ATen's SiLU backward splits its vector and scalar elements otherwise than the kernel")
     return matches[0]
+
+
+def _range_size(n: int, threads: int) -> int:
+    """How many elements each of ATen's thread ranges takes (the first ones; the last may take fewer): a size
+    whose remainder mod 32 is 16 or more leaves different scalar elements at W = 8 and W = 16."""
+    ranges = 1 if n <= _GRAIN or threads == 1 else min(threads, -(-n // _GRAIN))
+    return -(-n // ranges)
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
