@@ -1,4 +1,4 @@
-"""Build and cache roundalign's small C kernels (Fair Cast's export, the compiled model's row sums).
+"""Build and cache roundalign's small C kernels (Fair Cast's export, a compiled model's ATen restatements).
 
 Each kernel file is compiled once per machine with the C++ compiler Inductor uses (``$CXX``, else g++; the fused ops
 need it too) into ``$ROUNDALIGN_CACHE_DIR`` (default ``~/.cache/roundalign``), under a name that hashes the source,

@@ -34,7 +34,8 @@ SOURCE = Path(__file__).with_name("_aten.c")
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen splits work of more elements over threads
 _SQUARES, _PRODUCTS = 0, 1  # the row-sum kinds: sum(x^2), sum(grad_normed * x)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernels' stored formats
-_state: dict = {}  # "lib", "rows", "silu": the library and each kernel's lane count W, or None; "why": reasons
+# "lib": the library (or its build's exception); per kernel name: (library, W) or None, and "why_<name>" if None
+_state: dict = {}
 
 
 def _load() -> ctypes.CDLL:
@@ -58,7 +59,8 @@ def _rows_width(lib: ctypes.CDLL) -> int:
         same = True
         for x in probes:
             got = torch.empty(x.shape[0])
-            lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, got.data_ptr(), *x.shape, width, 2, 0)
+            fp32 = _FORMATS[torch.float32]
+            lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, got.data_ptr(), *x.shape, width, fp32, 0)
             same = same and torch.equal(got, x.pow(2).sum(-1))
         if same:
             matches.append(width)
@@ -132,6 +134,18 @@ def _check(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"{what} differs from ATen's on this machine (torch {torch.__version__})")
 
 
+def _library() -> ctypes.CDLL:
+    """The built library; a failed build is remembered and raised again, not retried per kernel."""
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _load()
+        except Exception as exc:
+            _state["lib"] = exc
+    if isinstance(_state["lib"], Exception):
+        raise _state["lib"]
+    return _state["lib"]
+
+
 def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
     """(library, W) for one kernel, or None (with one RuntimeWarning saying why) where it is off."""
     if name not in _state:
@@ -139,15 +153,9 @@ def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
             _state.update({name: None, f"why_{name}": f"${ENV}=0"})
             return None
         try:
-            if "lib" not in _state:
-                _state["lib"] = None
-                _state["lib"] = _load()
-            if _state["lib"] is None:
-                raise RuntimeError(_state.get("why_lib", "the library did not build"))
-            _state[name] = (_state["lib"], probe(_state["lib"]))
+            lib = _library()
+            _state[name] = (lib, probe(lib))
         except Exception as exc:  # no compiler, a failed build, ATen computing otherwise
-            if _state.get("lib") is None:
-                _state["why_lib"] = str(exc)
             _state.update({name: None, f"why_{name}": str(exc)})
             warnings.warn(
                 f"roundalign: a compiled model's {name} kernel is unavailable ({exc}); it runs as ATen calls "
