@@ -1,21 +1,17 @@
-"""C restatements of two ATen CPU kernels for a compiled model's opaque ops: ATen's bits, one pass, no fp32 copies.
+"""A C restatement of ATen's CPU SiLU backward, for a compiled model's opaque op: ATen's bits in one pass.
 
-A compiled model's RMSNorm and SwiGLU keep ATen's arithmetic where Inductor's would differ, so that they equal the
-eager ops bit for bit (``roundalign.ops._traced``): the variance and the backward's row sum in ATen's summation
-order, and SiLU's backward as ATen's kernel computes it. ATen's calls need their operands in fp32: the 16-bit
-activations widened (and squared, or multiplied by the gradient) into fp32 copies, several passes. ``_aten.c``
-restates the two kernels and computes each operand on the fly from the stored 16-bit tensors:
+A compiled model's SwiGLU keeps ATen's arithmetic for the gate's gradient, so that it equals the eager ops bit for
+bit (``roundalign.ops._traced``). ATen's ``silu_backward`` needs its operands in fp32: the 16-bit activations
+widened and multiplied into fp32 copies, several passes. ``_aten.c`` restates the kernel and computes each operand on
+the fly from the stored 16-bit tensors: ``silu_backward_of_product`` is ``r(silu_backward(grad * up, gate))`` as
+ATen's kernel computes it on the whole tensor (Sleef's exp in its vector loop, libm's on the elements each thread's
+range leaves over).
 
-- ``row_sums``: ATen's ``sum`` over the last dim (``SumKernel.cpp``: a cascade over W-lane vectors, four
-  accumulators interleaved, the leftover elements and the lanes added last), of ``x^2`` or ``grad_normed * x``;
-- ``silu_backward_of_product``: ``r(silu_backward(grad * up, gate))`` as ATen's kernel computes it on the whole
-  tensor (Sleef's exp in its vector loop, libm's on the elements each thread's range leaves over).
-
-Each is used only where a probe, run when the library loads, finds ATen computing the same bits on this machine:
-the row sums of random rows (short, vector-sized, long enough for the cascade's upper levels) at exactly one lane
-count W, and SiLU's backward on every bf16 and fp16 gate value through both of ATen's exps, at this machine's W and
-thread ranges. Elsewhere (no C compiler, another CPU architecture, a torch built otherwise) a kernel stays off, with
-one warning, and ATen's calls run: the same bits, slower. ``ROUNDALIGN_ATEN_KERNELS=0`` turns both off on purpose.
+It is used only where a probe, run when the library loads, finds ATen computing the same bits on this machine: every
+bf16 and fp16 gate value through both of ATen's exps, at this machine's W and thread ranges. Elsewhere (no C
+compiler, another CPU architecture, a torch built otherwise) the kernel stays off, with one warning, and ATen's calls
+run: the same bits, slower. ``ROUNDALIGN_ATEN_KERNELS=0`` turns it off on purpose. (RMSNorm's row sums, once
+restated here, are tensor ops Inductor fuses: ``roundalign.ops._cascade``.)
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ from roundalign import native
 
 ENV = "ROUNDALIGN_ATEN_KERNELS"
 SOURCE = Path(__file__).with_name("_aten.c")
-_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen splits work of more elements over threads
-_SQUARES, _PRODUCTS = 0, 1  # the row-sum kinds: sum(x^2), sum(grad_normed * x)
-_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernels' stored formats
+GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen splits work of more elements over threads
+_FORMATS = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's stored formats
 # "lib": the library (or its build's exception); per kernel name: (library, W) or None, and "why_<name>" if None
 _state: dict = {}
 
@@ -42,31 +37,9 @@ def _load() -> ctypes.CDLL:
     # -fno-trapping-math: the exp's selects become vector blends (no value changes: nothing is reassociated)
     lib = native.build(SOURCE, "aten-kernels", "libroundalign_aten", [*native.FLAGS, "-fno-trapping-math"], ("-lm",))
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.roundalign_row_sums.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32]
-    lib.roundalign_row_sums.restype = None
     lib.roundalign_silu_backward_of_product.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
     lib.roundalign_silu_backward_of_product.restype = None
     return lib
-
-
-def _rows_width(lib: ctypes.CDLL) -> int:
-    """ATen's lane count for row sums: the one W at which the kernel's sums equal ``torch.sum``'s on every row."""
-    gen = torch.Generator().manual_seed(0)
-    probes = [torch.randn(16, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (16, n), generator=gen).float())
-              for n in (5, 37, 300, 1100, 2100)]  # fmt: skip
-    matches = []
-    for width in (8, 16):
-        same = True
-        for x in probes:
-            got = torch.empty(x.shape[0])
-            fp32 = _FORMATS[torch.float32]
-            lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, got.data_ptr(), *x.shape, width, fp32, 0)
-            same = same and torch.equal(got, x.pow(2).sum(-1))
-        if same:
-            matches.append(width)
-    if len(matches) != 1:
-        raise RuntimeError(f"torch {torch.__version__} sums rows in an order the kernel does not restate here")
-    return matches[0]
 
 
 def _silu_call(lib, grad, up, gate, out, width: int, threads: int, out_fp32: bool) -> None:
@@ -88,8 +61,8 @@ def _silu_width(lib: ctypes.CDLL) -> int:
             got = torch.empty(gate.shape)
             # the vector exp: whole vector steps, ranges of 32,768 (a multiple of any step)
             _silu_call(lib, grad, up, gate, got, 8, 1, True)
-            vector = torch.cat([torch.ops.aten.silu_backward(dy32[i : i + _GRAIN], gate[i : i + _GRAIN].float())
-                                for i in range(0, gate.numel(), _GRAIN)])  # fmt: skip
+            vector = torch.cat([torch.ops.aten.silu_backward(dy32[i : i + GRAIN], gate[i : i + GRAIN].float())
+                                for i in range(0, gate.numel(), GRAIN)])  # fmt: skip
             _check(got, vector, f"SiLU's backward on every {dtype} gate value (vector exp)")
             # the scalar exp: ATen's scalar loop runs on strided operands, the kernel with no vector step
             _silu_call(lib, grad, up, gate, got, every_path, 1, True)
@@ -101,7 +74,7 @@ def _silu_width(lib: ctypes.CDLL) -> int:
     tricky = gate[differ]  # fp16 gate values (the last dtype probed)
     if tricky.numel() == 0:
         return 8  # both exps agree everywhere: positions cannot matter
-    n = 3 * _GRAIN + next(k for k in range(64) if _range_size(3 * _GRAIN + k, threads) % 32 >= 16)
+    n = 3 * GRAIN + next(k for k in range(64) if _range_size(3 * GRAIN + k, threads) % 32 >= 16)
     gate = tricky.repeat(n // tricky.numel() + 1)[:n].contiguous()
     grad, up = torch.full_like(gate, 3.3), torch.ones_like(gate)  # the dy the differing values were found at
     expected = torch.ops.aten.silu_backward(grad.float() * up.float(), gate.float())
@@ -119,7 +92,7 @@ def _silu_width(lib: ctypes.CDLL) -> int:
 def _range_size(n: int, threads: int) -> int:
     """How many elements each of ATen's thread ranges takes (the first ones; the last may take fewer): a size
     whose remainder mod 32 is 16 or more leaves different scalar elements at W = 8 and W = 16."""
-    ranges = 1 if n <= _GRAIN or threads == 1 else min(threads, -(-n // _GRAIN))
+    ranges = 1 if n <= GRAIN or threads == 1 else min(threads, -(-n // GRAIN))
     return -(-n // ranges)
 
 
@@ -164,39 +137,6 @@ def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
                 stacklevel=4,
             )
     return _state[name]
-
-
-def row_sums(x: torch.Tensor, grad=None, weight=None, rounded_product: bool = False) -> torch.Tensor | None:
-    """Per row of ``x`` (its last dim), ATen's ``sum(x32 * x32)``, or with ``grad`` and ``weight`` its
-    ``sum(grad_normed * x32)`` where ``grad_normed`` is ``r(grad * weight)`` (``rounded_product`` and a 16-bit
-    ``weight``: a 16-bit product) else ``grad32 * weight32``; ``x32`` is ``x`` widened (bf16, fp16 or fp32 ``x``).
-    fp32, shape ``x.shape[:-1]``; None where the kernel is off or does not take these tensors (not on the CPU, or a
-    single long row, which ATen splits over threads)."""
-    if x.device.type != "cpu" or x.dtype not in _FORMATS or x.numel() == 0:
-        return None
-    n = x.shape[-1]
-    rows = x.numel() // n
-    if rows == 1 and x.numel() >= _GRAIN and torch.get_num_threads() > 1:
-        return None
-    if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or weight.numel() != n):
-        return None
-    loaded = _kernel("row sums", _rows_width)
-    if loaded is None:
-        return None
-    lib, width = loaded
-    x = x.contiguous()
-    out = torch.empty(x.shape[:-1], dtype=torch.float32)
-    fmt = _FORMATS[x.dtype]
-    if grad is None:
-        lib.roundalign_row_sums(_SQUARES, x.data_ptr(), None, None, out.data_ptr(), rows, n, width, fmt, 0)
-        return out
-    grad = grad.contiguous()
-    w32 = weight.to(torch.float32).contiguous()  # exact; the product r(grad * weight) rounds only in weight's dtype
-    rounded = int(rounded_product and weight.dtype == x.dtype)
-    lib.roundalign_row_sums(
-        _PRODUCTS, x.data_ptr(), grad.data_ptr(), w32.data_ptr(), out.data_ptr(), rows, n, width, fmt, rounded
-    )
-    return out
 
 
 def silu_backward_of_product(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:

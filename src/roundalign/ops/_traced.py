@@ -13,22 +13,28 @@ for the whole model would also change the numerics of every stock op in it, and 
 - ``Traced.ew(fn, *tensors)``: an element-wise op on 16-bit operands computed as eager computes it (operands
   widened, fp32 arithmetic, the result rounded), for the rules written as HF's per-op bf16 expressions.
 
-Reductions stay opaque ATen calls (``roundalign::rms_rstd``, ``roundalign::sum_to``), in ATen's summation order, and
-so does SiLU's backward (``roundalign::silu_backward``): Inductor's decomposition of it associates the products
-otherwise than ATen's kernel, which moves a few fp16 gradients by one unit in the last place. The
-formulas are the same functions as the eager ones (``roundalign.numerics.formulas``), called with ``num=TRACED``
-instead of ``num=EAGER``; tests/test_ops_compiled.py checks a compiled model against the eager ops bit for bit.
+Reductions stay in ATen's summation order, and SiLU's backward in ATen's arithmetic (Inductor's decomposition of
+it associates the products otherwise than ATen's kernel, which moves a few fp16 gradients by one unit in the last
+place). In our own fused kernels (``TRACED``, ``TRACED_BACKWARD``) they are opaque ATen calls
+(``roundalign::rms_rstd``, ``roundalign::sum_to``, ``roundalign::silu_backward``), which Inductor fuses with their
+widenings. The formulas are the same functions as the eager ones (``roundalign.numerics.formulas``), called with
+``num=TRACED`` instead of ``num=EAGER``; tests/test_ops_compiled.py checks a compiled model against the eager ops bit
+for bit.
 
-**Two forms of the opaque calls.** An opaque op's inputs are materialised, so a reduction over a widened 16-bit
-activation costs an fp32 copy of it (and ATen's ``x^2`` beside it), and SwiGLU's backward two fp32 MLP-wide tensors.
-Inside one of our fused kernels that is a transient of one op. Inside a compiled model it is held at the backward's
-peak, beside the saved activations, where stock's fused reductions hold nothing. So the forms a compiled model
-traces (``IN_MODEL``, ``IN_MODEL_BACKWARD``) call ops that read the stored 16-bit tensors
-(``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``, ``silu_backward_of_product``): the row sums in one pass by C
-kernels that restate ATen's summation order and SiLU's backward (``roundalign.ops._aten``), else ATen's calls on
-about 1 MiB of widened rows at a time: the same bits, since rows and elements are reduced alone. Our fused
-kernels (``TRACED``, ``TRACED_BACKWARD``) keep the whole-tensor calls, which Inductor fuses with their widenings (the
-blocked loop costs a narrow model's step time).
+**Inside a compiled model** (``IN_MODEL``, ``IN_MODEL_BACKWARD``) an opaque call is a fusion barrier, and its
+operands are materialised: a reduction over a widened 16-bit activation costs an fp32 copy of it, SwiGLU's backward
+two fp32 MLP-wide tensors, held at the backward's peak where stock's fused code holds nothing. So there:
+
+- RMSNorm's row sums (the variance, the backward's ``sum(grad_normed * x)``) are ATen's summation order written as
+  tensor ops (``roundalign.ops._cascade``), which Inductor fuses with the squares and products that feed them;
+- SiLU's backward reads the stored 16-bit tensors (``roundalign::silu_backward_of_product``) by a C kernel that
+  restates ATen's (``roundalign.ops._aten``), else ATen's call on about 1 MiB of widened elements at a time;
+- where ``_cascade`` cannot say ATen's order (an ATen whose order it does not match, rows of 32,768 or more), the row
+  sums are opaque ops over the stored tensors too (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``): ATen's
+  calls on about 1 MiB of widened rows at a time, the same bits, since rows are reduced alone;
+- the weights' gradients, sums over every token, stay opaque ATen calls (``roundalign::sum_to``): ATen orders a
+  column's sum by where the column falls in blocks of 4 W columns, and so, for fp32 at W = 16, by how its threads
+  split the columns.
 
 Without Inductor (another backend) the primitives run as the plain casts they stand for: the same numbers. Their
 Inductor lowerings register the first time a graph uses them (their fake kernels run while Dynamo traces, before
@@ -43,7 +49,7 @@ import torch
 
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
 from roundalign.numerics.formulas import Eager, rstd_aten
-from roundalign.ops import _aten
+from roundalign.ops import _aten, _cascade
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
 # Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
@@ -82,11 +88,8 @@ def _blocks(n_rows: int, row_len: int) -> list[slice]:
 
 
 def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rstd_aten(x.to(fp32), eps)``: by the row-sum kernel (``_aten``), else a block of rows at a time: the same
-    bits, since ATen reduces each row of an inner-dim reduction alone."""
-    sums = _aten.row_sums(x)
-    if sums is not None:  # ATen's mean is its sum divided by the count
-        return sums.div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
+    """``rstd_aten(x.to(fp32), eps)`` a block of rows at a time: the same bits, since ATen reduces each row of an
+    inner-dim reduction alone."""
     acc = compute_dtype(x)
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty((rows.shape[0], 1), dtype=acc)
@@ -97,10 +100,7 @@ def rms_rstd_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_row_dot_rows(grad: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, rounded_product: bool) -> torch.Tensor:
-    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``: by the row-sum kernel, else a block of rows at a time."""
-    sums = _aten.row_sums(x, grad, weight, rounded_product)
-    if sums is not None:
-        return sums.unsqueeze(-1)
+    """``Eager.row_dot`` from the 16-bit ``grad`` and ``x``, a block of rows at a time."""
     acc = compute_dtype(x)
     n = x.shape[-1]
     g_rows, x_rows = grad.reshape(-1, n), x.reshape(-1, n)
@@ -251,11 +251,15 @@ class Traced(Eager):
     # backward reads are saved tensors, stored already, and settling them would copy them.
 
     def rstd(self, x32: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+        if self.in_model and (lanes := _fusable_sum(x32)):  # ATen's mean: its sum divided by the count
+            return torch.rsqrt(_cascade.row_sum(x32 * x32, lanes) / x32.shape[-1] + eps).unsqueeze(-1)
         if self.in_model:
             return torch.ops.roundalign.rms_rstd_rows(x, eps)
         return rstd_op(x32, eps)
 
     def row_dot(self, grad_normed, x32, grad, weight, x, rounded_product: bool) -> torch.Tensor:
+        if self.in_model and (lanes := _fusable_sum(x32)):
+            return _cascade.row_sum(grad_normed * x32, lanes).unsqueeze(-1)
         if self.in_model and x.dtype in LOW_PRECISION and grad.dtype == x.dtype:
             return torch.ops.roundalign.rms_row_dot_rows(self.settle(grad), weight, x, rounded_product)
         return super().row_dot(grad_normed, x32, grad, weight, x, rounded_product)
@@ -264,6 +268,14 @@ class Traced(Eager):
         if self.in_model:
             return torch.ops.roundalign.silu_backward_of_product(self.settle(grad), up, gate)
         return super().silu_backward_of_product(grad, up, gate)
+
+
+def _fusable_sum(x32: torch.Tensor) -> int | None:
+    """ATen's lane count where a row sum over ``x32`` can be written in tensor ops (``_cascade``), else None: fp32
+    rows on the CPU shorter than ATen's grain (a longer single row is split over threads, another order)."""
+    if x32.dtype != torch.float32 or x32.device.type != "cpu" or x32.shape[-1] >= _aten.GRAIN:
+        return None
+    return _cascade.width()
 
 
 TRACED = Traced(torch.ops.roundalign.widen)

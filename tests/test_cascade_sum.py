@@ -1,0 +1,107 @@
+"""ATen's row-sum order in tensor ops (roundalign/ops/_cascade.py) gives ATen's bits, eager and inside a compiled graph.
+
+The reference is ATen itself: ``torch.sum`` over the last dim, the call the eager formulas make (``rstd_aten``'s
+mean is that sum divided by the count, the backward's ``sum_to`` the same sum). Row lengths cover each branch of
+ATen's order: shorter than one vector, whole vectors with leftover elements, groups of four vectors with leftover
+vectors, and rows long enough for each upper level of the cascade (level 1 from 16 x 4 x W elements, level 2 from
+256 x 4 x W, level 3 from 4096 x 4 x W). Compiled cases run Inductor's default config, with symbolic row counts as
+a model's graph has them after a recompile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, sprinkle
+from roundalign import ops
+from roundalign.ops import _aten, _cascade, _traced
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+LENGTHS = [*range(1, 70), 127, 128, 129, 255, 256, 300, 511, 512, 513, 896, 1023, 1024, 1025, 2047, 2049, 3584, 4100]
+LONG = [8191, 8192, 8200, 16389, 131072 + 77]  # levels 2 and 3 at W = 8 and 16
+
+
+@pytest.fixture(scope="module")
+def lanes() -> int:
+    lanes = _cascade.width()
+    assert lanes in (8, 16), "ATen's row sums must match one lane count on the suite's machines"
+    return lanes
+
+
+def _rows(n: int, seed: int, rows: int = 6, dtype=FP32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # exponents spread over 2^-6..2^6 within a row: sums of values of one scale are often exact in fp32, whatever
+    # the order, and would hide an order's error
+    spread = torch.exp2(torch.randint(-6, 7, (rows, n), generator=g).float())
+    x = (torch.randn(rows, n, generator=g) * spread * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
+    if n > 4:  # special values in the last row only: the others stay finite, so compared as sums
+        x[-1] = sprinkle(x[-1:], g, 0.05)[0]
+    return x
+
+
+def test_row_sum_is_atens(lanes):
+    for n in LENGTHS + LONG:
+        x = _rows(n, n, rows=3 if n > 5000 else 6)
+        assert_bitwise_equal(_cascade.row_sum(x, lanes), x.sum(-1), f"n={n}")
+
+
+def test_zero_sums_are_positive(lanes):
+    """ATen adds each row's sum to an output of +0: a row of -0 sums to +0 (here the last step sets it)."""
+    for n in (3, 200, 1100):
+        x = torch.full((2, n), -0.0)
+        assert_bitwise_equal(_cascade.row_sum(x, lanes), x.sum(-1), f"n={n}")
+
+
+def test_the_probe_tells_the_lane_counts_apart(lanes):
+    """The other lane count's order differs from ATen's on the probe's rows, so the probe picks exactly one."""
+    other = 24 - lanes
+    x = _rows(300, 1)
+    assert not torch.equal(_cascade.row_sum(x[:-1], other), x[:-1].sum(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [5, 37, 200, 1100, 9000])
+def test_compiled_row_sum_is_atens(lanes, n):
+    """Inductor computes the written order as written: every step a sequential sum over a short dim."""
+    torch._dynamo.reset()  # a fresh cache: the lambda below is one code object across the cases
+    fn = torch.compile(lambda x: _cascade.row_sum(x * 1.5, lanes), dynamic=True, fullgraph=True)
+    for rows in (1, 3, 40):
+        x = _rows(n, n + rows, rows=rows)
+        x[0] = -0.0  # a row of -0: +0 however the sums start
+        assert_bitwise_equal(fn(x), (x * 1.5).sum(-1), f"n={n} rows={rows}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_compiled_rms_norm_at_wide_rows(dtype):
+    """RMSNorm forward and backward in a compiled graph at a row length with a level-1 cascade and leftovers (1,100)
+    and a head_dim (128), against the eager op; the last token's gradient is zero with weights of both signs, so its
+    backward row sums are sums of +0 and -0."""
+    for n, weight_sign in ((1100, 1.0), (128, -1.0)):
+        g = torch.Generator().manual_seed(n)
+        x = (torch.randn(2, 9, n, generator=g) * 3).to(dtype)
+        w = (weight_sign * (torch.rand(n, generator=g) + 0.5) * torch.where(torch.arange(n) % 7 == 0, -1, 1)).to(dtype)
+        mask = torch.ones(2, 9, 1, dtype=dtype)
+        mask[:, -1] = 0
+
+        def fn(x, w, mask=mask):
+            return ops.rms_norm(x * 1.1, w, 1e-6, "round_before_weight", dtype) * mask
+
+        results = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
+            out = (torch.compile(fn, fullgraph=True) if compiled else fn)(*leaves)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+            results.append((out.detach(), *(leaf.grad for leaf in leaves)))
+        for name, a, b in zip(("output", "x grad", "weight grad"), results[1], results[0], strict=True):
+            assert_bitwise_equal(a, b, f"{dtype} n={n} {name}")
+
+
+def test_which_rows_a_compiled_model_sums_in_tensor_ops(lanes):
+    """fp32 CPU rows shorter than ATen's grain: written in tensor ops; a longer row (ATen may split a single one over
+    threads: another order) and fp64 (gradcheck) stay opaque ATen calls over the stored tensors."""
+    assert _traced._fusable_sum(torch.empty(3, 4096)) == lanes
+    assert _traced._fusable_sum(torch.empty(1, _aten.GRAIN)) is None
+    assert _traced._fusable_sum(torch.empty(3, 256, dtype=torch.float64)) is None
