@@ -62,7 +62,9 @@ def build(source: Path, subdir: str, stem: str, flags: list[str] = FLAGS, libs: 
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True)
+            # "-x none" after the source: libraries named by path are linked, not read as the flags' language
+            command = [cc, *flags, str(source), "-x", "none", "-o", tmp, *libs]
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace")
             if done.returncode:
                 raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
             os.replace(tmp, target)

@@ -97,7 +97,12 @@ void roundalign_silu_backward_of_product(const uint16_t *g, const uint16_t *u, c
         if (ranges > threads) ranges = threads;
     }
     const int64_t size = (n + ranges - 1) / ranges, step = 2 * (int64_t)width;
-    for (int64_t begin = 0; begin < n; begin += size) {
+    /* each range on a thread of torch's own OpenMP pool (the library links the libgomp torch loaded), as ATen's
+       parallel_for runs them; the ranges, not the threads, fix which elements take which exp */
+#pragma omp parallel for num_threads(ranges) schedule(static, 1) if (ranges > 1)
+    for (int64_t r = 0; r < ranges; ++r) {
+        const int64_t begin = r * size;
+        if (begin >= n) continue;
         const int64_t end = begin + size < n ? begin + size : n;
         const int64_t vector_end = begin + (end - begin) / step * step;
         if (fmt == FP16) run(g, u, x, out, begin, end, vector_end, FP16, out_fp32);
