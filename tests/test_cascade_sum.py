@@ -105,3 +105,53 @@ def test_which_rows_a_compiled_model_sums_in_tensor_ops(lanes):
     assert _traced._fusable_sum(torch.empty(3, 4096)) == lanes
     assert _traced._fusable_sum(torch.empty(1, _aten.GRAIN)) is None
     assert _traced._fusable_sum(torch.empty(3, 256, dtype=torch.float64)) is None
+
+
+COLUMN_ROWS = [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1025, 4097, 70000]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
+def test_column_sum_is_atens(lanes, dtype, threads):
+    """A weight's gradient, summed over every token: serial below ATen's grain, split over threads above it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (4 * lanes, 8 * lanes, 32 * lanes, 128 * lanes):
+            assert _cascade.columns_in_order(n, dtype, lanes) == ((128 // dtype.itemsize) % (4 * lanes) == 0)
+            if not _cascade.columns_in_order(n, dtype, lanes):
+                continue
+            for rows in COLUMN_ROWS:
+                if rows * n > 2e7:
+                    continue
+                x = _rows(n, rows, rows=rows, dtype=dtype)
+                x[:, 1] = -0.0  # a column of -0: +0, as ATen's output starts
+                expected = x.sum_to_size(n)
+                assert_bitwise_equal(_cascade.column_sum(x.float()).to(dtype), expected, f"n={n} rows={rows}")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_columns_outside_whole_blocks_stay_atens_calls(lanes):
+    """Columns past the last whole block of 4 W take ATen's interleaved cascade: the written order declines them."""
+    assert not _cascade.columns_in_order(4 * lanes + 8, FP32, lanes)
+    assert not _traced._fusable_columns(torch.empty(5, 4 * lanes + 8), (4 * lanes + 8,))
+    assert not _traced._fusable_columns(torch.empty(5, 4 * lanes), (1, 4 * lanes))  # not a weight's shape
+    assert _traced._fusable_columns(torch.empty(2, 5, 4 * lanes, dtype=BF16), (4 * lanes,))
+
+
+@pytest.mark.slow
+def test_compiled_column_sum_is_atens(lanes):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: _cascade.column_sum(x.float() * 1.5).to(x.dtype), dynamic=True, fullgraph=True)
+    for rows in (1, 5, 300, 5000):
+        for dtype in (FP32, BF16):
+            x = _rows(8 * lanes, rows, rows=rows, dtype=dtype)
+            x[:, 0] = -0.0
+            assert_bitwise_equal(
+                fn(x),
+                (x.float() * 1.5).to(dtype).sum_to_size(8 * lanes)
+                if dtype == FP32
+                else (x.float() * 1.5).sum_to_size(8 * lanes).to(dtype),
+                f"rows={rows} {dtype}",
+            )

@@ -40,28 +40,36 @@ def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
     return parts.sum(dim) if parts.shape[dim] else parts.new_zeros(parts.shape[:dim] + parts.shape[dim + 1 :])
 
 
+def multi_row_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """ATen's ``multi_row_sum``: ``parts`` summed over ``dim`` (negative) as its cascade sums them. Blocks of ``step``
+    consecutive entries are summed from 0 (level 0), blocks of ``step`` of those (level 1) and so on; the entries past
+    the last whole block of each level stay open, and the open sums are added last, level 0 first."""
+    size, rest = parts.shape[dim], parts.shape[dim + 1 :] if dim != -1 else ()
+    lead = parts.shape[:dim]
+    step = 1 << max(_ceil_log2(size) // 4, 4)
+    open_parts = []
+    for _ in range(_LEVELS - 1):
+        closed = parts.shape[dim] // step
+        open_parts.append(_in_order(parts.narrow(dim, closed * step, parts.shape[dim] - closed * step), dim))
+        parts = parts.narrow(dim, 0, closed * step).reshape(*lead, closed, step, *rest).sum(dim)
+        if closed == 0:
+            break
+    else:
+        open_parts.append(_in_order(parts, dim))  # the top level keeps every block
+    acc = open_parts[0]
+    for part in open_parts[1:]:
+        acc = acc + part
+    return acc
+
+
 def row_sum(v: torch.Tensor, width: int) -> torch.Tensor:
     """``v.sum(-1)`` for fp32 ``v``, bit for bit as ATen computes it with ``width`` lanes, in tensor ops."""
     n, lead = v.shape[-1], v.shape[:-1]
     lanes = width if n >= width else 1  # a row shorter than a vector: scalar_inner_sum, the same cascade
     vectors = n // lanes
     groups = vectors // 4
-    step = 1 << max(_ceil_log2(groups) // 4, 4)
-    # [groups, 4, lanes]: group i holds vectors 4i .. 4i + 3, one per accumulator
-    level = v[..., : groups * 4 * lanes].reshape(*lead, groups, 4, lanes)
-    # Level j closes every `step` of its blocks into level j + 1; what remains open at the end joins level 0.
-    open_parts = []
-    for _ in range(_LEVELS - 1):
-        closed = level.shape[-3] // step
-        open_parts.append(_in_order(level[..., closed * step :, :, :], -3))
-        level = level[..., : closed * step, :, :].reshape(*lead, closed, step, 4, lanes).sum(-3)
-        if closed == 0:
-            break
-    else:
-        open_parts.append(_in_order(level, -3))  # the top level keeps every block
-    acc = open_parts[0]
-    for part in open_parts[1:]:
-        acc = acc + part
+    # [groups, 4, lanes]: group i holds vectors 4i .. 4i + 3, one per interleaved accumulator
+    acc = multi_row_sum(v[..., : groups * 4 * lanes].reshape(*lead, groups, 4, lanes), -3)
     first = acc[..., 0, :]
     for t in range(groups * 4, vectors):  # the vectors past the last whole group: accumulator 0
         first = first + v[..., t * lanes : (t + 1) * lanes]
@@ -75,6 +83,13 @@ def row_sum(v: torch.Tensor, width: int) -> torch.Tensor:
     for lane in range(lanes):
         total = first[..., lane] if total is None else total + first[..., lane]
     return _positive_zero(total)
+
+
+def column_sum(v: torch.Tensor) -> torch.Tensor:
+    """``v.sum_to_size(v.shape[-1:])`` for fp32 ``v``, bit for bit as ATen sums the columns of whole blocks of 4 W
+    columns (``columns_in_order`` says when every column is in one): over every leading dim as one dim of rows, one
+    cascade over the rows per column (``vectorized_outer_sum``'s ``multi_row_sum``, no interleaving)."""
+    return _positive_zero(multi_row_sum(v.reshape(-1, v.shape[-1]), -2))
 
 
 def _positive_zero(total: torch.Tensor) -> torch.Tensor:
@@ -99,3 +114,25 @@ def _probe() -> int | None:
               for n in (5, 37, 300, 1100, 2100, 9000)]  # fmt: skip
     matches = [w for w in (8, 16) if all(torch.equal(row_sum(x, w), x.sum(-1)) for x in probes)]
     return matches[0] if len(matches) == 1 else None
+
+
+@torch.compiler.assume_constant_result  # a traced model reads the answer, not the probe's ops
+def columns_in_order(n: int, dtype: torch.dtype, width: int) -> bool:
+    """Whether ATen sums every column of a ``(rows, n)`` tensor of ``dtype`` as ``column_sum`` does, at any row count
+    and thread count: its contiguous outer sum (``vectorized_outer_sum``) runs the plain cascade on whole blocks of
+    4 W columns from the start of each thread's column range, and the ranges start on multiples of 128 bytes
+    (``parallel_dim_reduction``), so every column is in a whole block when both n and that multiple are multiples of
+    4 W; the rest (the interleaved cascade) stays ATen's call. Checked against ATen once per dtype."""
+    block = 4 * width
+    return n % block == 0 and (128 // dtype.itemsize) % block == 0 and _columns_probe(dtype, width)
+
+
+@functools.cache
+def _columns_probe(dtype: torch.dtype, width: int) -> bool:
+    gen = torch.Generator().manual_seed(1)
+    for rows, n in ((3, 4 * width), (37, 8 * width), (1100, 32 * width), (5000, 4 * width)):
+        x = torch.randn(rows, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (rows, n), generator=gen).float())
+        t = x.to(dtype)
+        if not torch.equal(column_sum(t.float()).to(dtype), t.sum_to_size(n)):
+            return False
+    return True

@@ -32,9 +32,10 @@ two fp32 MLP-wide tensors, held at the backward's peak where stock's fused code 
 - where ``_cascade`` cannot say ATen's order (an ATen whose order it does not match, rows of 32,768 or more), the row
   sums are opaque ops over the stored tensors too (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``): ATen's
   calls on about 1 MiB of widened rows at a time, the same bits, since rows are reduced alone;
-- the weights' gradients, sums over every token, stay opaque ATen calls (``roundalign::sum_to``): ATen orders a
-  column's sum by where the column falls in blocks of 4 W columns, and so, for fp32 at W = 16, by how its threads
-  split the columns.
+- the weights' gradients, sums over every token, are ATen's column order written as tensor ops too
+  (``_cascade.column_sum``) where every column falls in a whole block of 4 W columns (hidden sizes that are
+  multiples of 32 at W = 8); elsewhere ATen orders a column's sum by its place in such blocks, and so by how its
+  threads split the columns, and the sums stay opaque ATen calls (``roundalign::sum_to``).
 
 Without Inductor (another backend) the primitives run as the plain casts they stand for: the same numbers. Their
 Inductor lowerings register the first time a graph uses them (their fake kernels run while Dynamo traces, before
@@ -241,7 +242,11 @@ class Traced(Eager):
         forwards the stored value's fp32 source; seen on SwiGLU's backward)."""
         return self.to(t, t.dtype)
 
-    sum_to = staticmethod(sum_to_op)
+    def sum_to(self, t: torch.Tensor, shape) -> torch.Tensor:
+        if self.in_model and _fusable_columns(t, shape):  # a weight's gradient: the sum over every token
+            s = _cascade.column_sum(self.to(t, torch.float32))
+            return s if t.dtype == torch.float32 else self.to(s, t.dtype)  # ATen's sum rounds once, to t's dtype
+        return sum_to_op(t, shape)
 
     @staticmethod
     def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -276,6 +281,16 @@ def _fusable_sum(x32: torch.Tensor) -> int | None:
     if x32.dtype != torch.float32 or x32.device.type != "cpu" or x32.shape[-1] >= _aten.GRAIN:
         return None
     return _cascade.width()
+
+
+def _fusable_columns(t: torch.Tensor, shape) -> bool:
+    """Whether ``t.sum_to_size(shape)`` sums every leading dim of a CPU tensor into its last and ATen orders each of
+    its columns' sums as ``_cascade.column_sum`` does (``_cascade.columns_in_order``)."""
+    if t.device.type != "cpu" or t.dim() < 2 or tuple(shape) != (t.shape[-1],):
+        return False
+    if t.dtype not in (torch.float32, *LOW_PRECISION) or (lanes := _cascade.width()) is None:
+        return False
+    return _cascade.columns_in_order(t.shape[-1], t.dtype, lanes)
 
 
 TRACED = Traced(torch.ops.roundalign.widen)
