@@ -2,7 +2,7 @@
 
 A compiled model's RMSNorm must sum each row (the variance's ``x^2``, the backward's ``grad_normed * x``) in ATen's
 order to equal the eager ops bit for bit; Inductor's own reductions add in another order. An opaque op that sums in
-ATen's order (``roundalign::rms_rstd_rows``, the C kernels of ``_aten``) keeps the bits but is a fusion barrier: its
+ATen's order (``roundalign::rms_rstd_rows``, ATen's own call) keeps the bits but is a fusion barrier: its
 operand is stored for it, and what follows it starts a new kernel. ``row_sum`` writes ATen's order itself as
 reshapes and small sums, which Inductor lowers as it lowers any reduction, fused with the square that feeds it:
 
@@ -17,9 +17,14 @@ steps is a sequential sum over one small dim here, a sum Inductor computes in or
 the W lanes, which are independent sums). Rows shorter than one vector take the same cascade on single elements
 (``scalar_inner_sum``, W = 1).
 
+A weight's gradient sums a tensor over every token: ATen's contiguous outer sum (``vectorized_outer_sum``) sums each
+column of a whole block of 4 W columns by the same cascade over the rows, without the interleaving (``column_sum``);
+``columns_in_order`` says when every column is in such a block.
+
 ``width()`` probes which W this machine's ATen uses (8 under its AVX2 and default kernels, 16 under AVX-512), by
 comparing ``row_sum`` with ``torch.sum`` on random rows: exactly one W must agree, else None and the callers keep
-the opaque ops. tests/test_ops_in_graph.py checks the compiled form against the eager ops bit for bit.
+the opaque ops. tests/test_cascade_sum.py checks both sums against ATen's, eager and compiled;
+tests/test_ops_in_graph.py the compiled ops against the eager ones bit for bit.
 """
 
 from __future__ import annotations
