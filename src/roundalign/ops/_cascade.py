@@ -112,11 +112,16 @@ def width() -> int | None:
     return _probe()
 
 
+def _spread(rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Probe values with exponents spread over 2^-6..2^6: sums of values of one scale are often exact whatever the
+    order, and would pass a wrong one."""
+    return torch.randn(rows, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (rows, n), generator=gen).float())
+
+
 @functools.cache
 def _probe() -> int | None:
     gen = torch.Generator().manual_seed(0)
-    probes = [torch.randn(16, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (16, n), generator=gen).float())
-              for n in (5, 37, 300, 1100, 2100, 9000)]  # fmt: skip
+    probes = [_spread(16, n, gen) for n in (5, 37, 300, 1100, 2100, 9000)]
     matches = [w for w in (8, 16) if all(torch.equal(row_sum(x, w), x.sum(-1)) for x in probes)]
     return matches[0] if len(matches) == 1 else None
 
@@ -136,8 +141,7 @@ def columns_in_order(n: int, dtype: torch.dtype, width: int) -> bool:
 def _columns_probe(dtype: torch.dtype, width: int) -> bool:
     gen = torch.Generator().manual_seed(1)
     for rows, n in ((3, 4 * width), (37, 8 * width), (1100, 32 * width), (5000, 4 * width)):
-        x = torch.randn(rows, n, generator=gen) * torch.exp2(torch.randint(-6, 7, (rows, n), generator=gen).float())
-        t = x.to(dtype)
+        t = _spread(rows, n, gen).to(dtype)
         if not torch.equal(column_sum(t.float()).to(dtype), t.sum_to_size(n)):
             return False
     return True
