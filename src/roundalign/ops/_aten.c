@@ -12,10 +12,9 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { BF16, FP16, FP32 }; /* the stored format of the operands */
+enum { BF16, FP16 }; /* the stored format of the operands */
 
 INLINE float widen(const void *p, int64_t i, int fmt) { /* exact */
-    if (fmt == FP32) return ((const float *)p)[i];
     if (fmt == FP16) { _Float16 h; memcpy(&h, (const uint16_t *)p + i, 2); return (float)h; }
     uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
 }

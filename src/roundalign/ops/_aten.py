@@ -29,7 +29,7 @@ ENV = "ROUNDALIGN_ATEN_KERNELS"
 SOURCE = Path(__file__).with_name("_aten.c")
 GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen splits work of more elements over threads
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's stored formats
-# "lib": the library (or its build's exception); per kernel name: (library, W) or None, and "why_<name>" if None
+# per kernel name: (library, W) or None, and "why_<name>" if None
 _state: dict = {}
 
 
@@ -113,18 +113,6 @@ def _check(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"{what} differs from ATen's on this machine (torch {torch.__version__})")
 
 
-def _library() -> ctypes.CDLL:
-    """The built library; a failed build is remembered and raised again, not retried per kernel."""
-    if "lib" not in _state:
-        try:
-            _state["lib"] = _load()
-        except Exception as exc:
-            _state["lib"] = exc
-    if isinstance(_state["lib"], Exception):
-        raise _state["lib"]
-    return _state["lib"]
-
-
 def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
     """(library, W) for one kernel, or None (with one RuntimeWarning saying why) where it is off."""
     if name not in _state:
@@ -132,7 +120,7 @@ def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
             _state.update({name: None, f"why_{name}": f"${ENV}=0"})
             return None
         try:
-            lib = _library()
+            lib = _load()
             _state[name] = (lib, probe(lib))
         except Exception as exc:  # no compiler, a failed build, ATen computing otherwise
             _state.update({name: None, f"why_{name}": str(exc)})
