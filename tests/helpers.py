@@ -164,3 +164,15 @@ def rounding_profiles() -> list[str]:
     import roundalign
 
     return [p for p in roundalign.list_profiles() if not roundalign.get_profile(p).uses_engine_kernels]
+
+
+def spread_rows(n: int, seed: int, rows: int = 6, dtype=torch.float32) -> torch.Tensor:
+    """Rows for checking a summation order: exponents spread over 2^-6..2^6 within a row (sums of values of one scale
+    are often exact in fp32 whatever the order, and would hide an order's error), scales from 1e-2 to 1e2 across rows,
+    and special values in the last row only (n > 4), so that the others stay finite and compare as sums."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-6, 7, (rows, n), generator=g).float())
+    x = (torch.randn(rows, n, generator=g) * spread * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
+    if n > 4:
+        x[-1] = sprinkle(x[-1:], g, 0.05)[0]
+    return x

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, sprinkle
+from helpers import assert_bitwise_equal, spread_rows, sprinkle
 from roundalign import native
 from roundalign.numerics.formulas import EAGER, rstd_aten
 from roundalign.ops import _aten, _traced
@@ -28,24 +28,14 @@ def kernels():
     assert silu is not None, f"the kernel must build and match ATen here: {_aten._state}"
 
 
-def _rows(n: int, dtype, seed: int, rows: int = 6) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # exponents spread over 2^-6..2^6 within a row: sums of 16-bit squares of one scale are often exact in fp32,
-    # whatever the order, and would hide an order's error
-    spread = torch.exp2(torch.randint(-6, 7, (rows, n), generator=g).float())
-    x = (torch.randn(rows, n, generator=g) * spread * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
-    if dtype != FP32 and n > 4:  # special values in the last row only: the others stay finite, so compared as sums
-        x[-1] = sprinkle(x[-1:], g, 0.05)[0]
-    return x
-
-
 @pytest.mark.parametrize("rounded_product", [True, False])
 def test_in_model_row_sums_by_blocks(monkeypatch, rounded_product):
     """The opaque row-sum ops (where _cascade cannot say ATen's order) by ATen's blocked calls (blocks of 5 rows, the
     last ragged), on 3-d activations, against the eager formulas."""
     monkeypatch.setattr(_traced, "_BLOCK_BYTES", 5 * 37 * 4)
-    x = _rows(4 * 37 * 3, BF16, 1, rows=1).reshape(4, 3, 37)
-    grad, w = _rows(37, BF16, 2, rows=12).reshape(4, 3, 37), _rows(37, BF16, 3, rows=1)[0].abs() + 0.5
+    x = spread_rows(4 * 37 * 3, 1, rows=1, dtype=BF16).reshape(4, 3, 37)
+    grad = spread_rows(37, 2, rows=12, dtype=BF16).reshape(4, 3, 37)
+    w = spread_rows(37, 3, rows=1, dtype=BF16)[0].abs() + 0.5
     assert_bitwise_equal(_traced.rms_rstd_rows(x, 1e-6), rstd_aten(x.float(), 1e-6), "rstd")
     grad_normed = (grad * w).float() if rounded_product else grad.float() * w.float()
     expected = EAGER.row_dot(grad_normed, x.float(), grad, w, x, rounded_product)
@@ -67,7 +57,7 @@ def test_no_compiler_falls_back_to_aten_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("ROUNDALIGN_CACHE_DIR", str(tmp_path))  # nothing cached to load
     monkeypatch.setattr(native, "compiler", no_compiler)
     monkeypatch.setattr(_aten, "_state", {})
-    x = _rows(300, BF16, 4)
+    x = spread_rows(300, 4, dtype=BF16)
     unavailable = "SiLU backward kernel is unavailable .no C or C.. compiler found.*the same bits"
     with pytest.warns(RuntimeWarning, match=unavailable):
         assert _aten.silu_backward_of_product(x, x, x) is None

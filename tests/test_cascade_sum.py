@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, sprinkle
+from helpers import assert_bitwise_equal, spread_rows
 from roundalign import ops
 from roundalign.ops import _aten, _cascade, _traced
 
@@ -29,20 +29,9 @@ def lanes() -> int:
     return lanes
 
 
-def _rows(n: int, seed: int, rows: int = 6, dtype=FP32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # exponents spread over 2^-6..2^6 within a row: sums of values of one scale are often exact in fp32, whatever
-    # the order, and would hide an order's error
-    spread = torch.exp2(torch.randint(-6, 7, (rows, n), generator=g).float())
-    x = (torch.randn(rows, n, generator=g) * spread * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
-    if n > 4:  # special values in the last row only: the others stay finite, so compared as sums
-        x[-1] = sprinkle(x[-1:], g, 0.05)[0]
-    return x
-
-
 def test_row_sum_is_atens(lanes):
     for n in LENGTHS + LONG:
-        x = _rows(n, n, rows=3 if n > 5000 else 6)
+        x = spread_rows(n, n, rows=3 if n > 5000 else 6)
         assert_bitwise_equal(_cascade.row_sum(x, lanes), x.sum(-1), f"n={n}")
 
 
@@ -56,7 +45,7 @@ def test_zero_sums_are_positive(lanes):
 def test_the_probe_tells_the_lane_counts_apart(lanes):
     """The other lane count's order differs from ATen's on the probe's rows, so the probe picks exactly one."""
     other = 24 - lanes
-    x = _rows(300, 1)
+    x = spread_rows(300, 1)
     assert not torch.equal(_cascade.row_sum(x[:-1], other), x[:-1].sum(-1))
 
 
@@ -67,7 +56,7 @@ def test_compiled_row_sum_is_atens(lanes, n):
     torch._dynamo.reset()  # a fresh cache: the lambda below is one code object across the cases
     fn = torch.compile(lambda x: _cascade.row_sum(x * 1.5, lanes), dynamic=True, fullgraph=True)
     for rows in (1, 3, 40):
-        x = _rows(n, n + rows, rows=rows)
+        x = spread_rows(n, n + rows, rows=rows)
         x[0] = -0.0  # a row of -0: +0 however the sums start
         assert_bitwise_equal(fn(x), (x * 1.5).sum(-1), f"n={n} rows={rows}")
 
@@ -124,7 +113,7 @@ def test_column_sum_is_atens(lanes, dtype, threads):
             for rows in COLUMN_ROWS:
                 if rows * n > 2e7:
                     continue
-                x = _rows(n, rows, rows=rows, dtype=dtype)
+                x = spread_rows(n, rows, rows=rows, dtype=dtype)
                 x[:, 1] = -0.0  # a column of -0: +0, as ATen's output starts
                 expected = x.sum_to_size(n)
                 assert_bitwise_equal(_cascade.column_sum(x.float()).to(dtype), expected, f"n={n} rows={rows}")
@@ -146,7 +135,7 @@ def test_compiled_column_sum_is_atens(lanes):
     fn = torch.compile(lambda x: _cascade.column_sum(x.float() * 1.5).to(x.dtype), dynamic=True, fullgraph=True)
     for rows in (1, 5, 300, 5000):
         for dtype in (FP32, BF16):
-            x = _rows(8 * lanes, rows, rows=rows, dtype=dtype)
+            x = spread_rows(8 * lanes, rows, rows=rows, dtype=dtype)
             x[:, 0] = -0.0
             assert_bitwise_equal(
                 fn(x),
