@@ -247,3 +247,56 @@ def test_engine_gemm_follows_a_fused_optimizer_step(monkeypatch):
         optimizer.step()
         optimizer.zero_grad()
         assert module.proj.weight._version == version  # what makes a version-based cache go stale
+
+
+def test_engine_gemm_backward_and_its_prepared_copy(monkeypatch):
+    """The engine GEMM's backward is torch's linear gradients of the concatenated weights (q/k/v fused into one
+    GEMM as vLLM fuses them), read from the prepared GEMM's own copy; after a weight change that copy is refilled in
+    place (no fresh memory), and a graph whose weights changed under it refuses its backward instead of giving
+    gradients of other weights."""
+    import torch.nn.functional as F
+
+    from roundalign.kernels import vllm_cpu
+    from roundalign.profiles import GemmKernel
+
+    def prepared(weight, bias):  # vLLM's dispatch stand-in, as above
+        snapshot = weight.clone()
+        return lambda x: F.linear(x, snapshot)
+
+    monkeypatch.setattr(vllm_cpu, "linear", prepared)
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    for name, rows in (("q", 16), ("k", 8), ("v", 8)):
+        setattr(module, name, torch.nn.Linear(32, rows, bias=False).to(torch.bfloat16))
+    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    grads = [torch.randn(5, n, generator=g).to(torch.bfloat16) for n in (16, 8, 8)]
+
+    def run(kernel):
+        xs = x.clone().requires_grad_()
+        outs = kernels.project(module, ("q", "k", "v"), xs, kernel)
+        torch.autograd.backward(outs, grads)
+        got = [xs.grad] + [getattr(module, n).weight.grad for n in "qkv"]
+        module.zero_grad(set_to_none=True)
+        return outs, got
+
+    outs, got = run(GemmKernel.VLLM_CPU)
+    # The reference: autograd of one torch linear over the concatenated weights, the same GEMM and its gradients.
+    xs, w = x.clone().requires_grad_(), torch.cat([module.q.weight, module.k.weight, module.v.weight]).detach()
+    w.requires_grad_()
+    ref = F.linear(xs, w)
+    ref.backward(torch.cat(grads, dim=-1))
+    assert torch.equal(torch.cat(outs, dim=-1), ref)
+    assert torch.equal(got[0], xs.grad)
+    for mine, theirs in zip(got[1:], w.grad.split([16, 8, 8]), strict=True):
+        assert torch.equal(mine, theirs)
+
+    cache = module.__dict__["_roundalign_gemm_cache"]["q,k,v"]
+    copy_at = cache[0].data_ptr()
+    live = kernels.project(module, ("q", "k", "v"), x.clone().requires_grad_(), GemmKernel.VLLM_CPU)
+    with torch.no_grad():
+        module.k.weight.add_(1)  # a weight change, then the next forward
+    (after, *_), _ = run(GemmKernel.VLLM_CPU)
+    assert module.__dict__["_roundalign_gemm_cache"]["q,k,v"][0].data_ptr() == copy_at  # refilled in place
+    assert torch.equal(after, F.linear(x, module.q.weight))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.backward(live, grads)
