@@ -9,11 +9,20 @@ same weights:
 - ``exact``: the same profile with vLLM's kernels (``-kernels``): bitwise equal to vLLM's sampler in eager mode.
 
 Each on an RL-shaped batch: right-padded sequences of several lengths, ``attention_mask`` and ``position_ids``
-from the mask, as verl and TRL hand them to the model. Two passes per variant: ``train step`` (forward, backward of
-the summed token log-probs, AdamW) and ``recompute`` (a no-grad forward and the log-softmax: verl's old_log_prob).
-Rounds interleave the variants (machine drift hits all alike), round 1 is warm-up, the table gives medians and
-ratios to stock in the same run, then one more step per variant measures the peak memory of forward + backward
-(``torch.profiler``, as benchmarks/model_step.py measures it).
+from the mask, as verl and TRL hand them to the model. Three passes per variant, each where an RL loop runs it:
+
+- ``train step``: forward, backward of the summed token log-probs, AdamW, after another train step (the update
+  phase: every forward follows an optimizer step, so the exact variant prepares vLLM's GEMM weights in each);
+- ``recompute``: a no-grad forward and the log-softmax (verl's old_log_prob) on weights the forward before it
+  already saw: a micro-batch of the recompute pass after its first;
+- ``first recompute``: the same, first after an optimizer step: the recompute pass's first micro-batch, which
+  also pays the exact variant's once-per-weight-change preparation (reported, no target of its own: an RL
+  recompute pass runs many micro-batches on one set of weights).
+
+Rounds interleave the variants (machine drift hits all alike), round 1 is warm-up, the table gives medians, ratios
+to stock in the same run and their noise band (the quartiles of the per-round ratios), then one more step per
+variant measures the peak memory of forward + backward (``torch.profiler``, as benchmarks/model_step.py measures
+it).
 
     .venv-vllm/bin/python benchmarks/exact_step.py --quick                     # a smoke run
     .venv-vllm/bin/python benchmarks/exact_step.py --json exact.json           # the suite (~20 min on 2 cores)
@@ -30,13 +39,13 @@ import time
 import torch
 import transformers
 from _machine import machine_info, write_json
-from model_step import MODELS, build_model, measure_peak
+from model_step import MODELS, build_model, measure_peak, ratio_band
 
 import roundalign
 from roundalign.rl.vllm import trainer_profile
 
 VARIANTS = ("stock", "rounding", "exact")
-PASSES = ("train step", "recompute")
+PASSES = ("train step", "first recompute", "recompute")
 # (model, batch, longest sequence, rounds)
 # Sized for about 20 minutes on a 2-core AVX2 CPU, where a bf16 training step is slow (8 x 128 tokens of the tiny
 # model: ~7 s; one of benchmarks/model_step.py's 0.6B shape did not finish 12 steps in 25 minutes). The second
@@ -91,7 +100,8 @@ def run_case(name: str, batch: int, seq: int, rounds: int, seed: int, profiles: 
     times = {(v, p): [] for v in VARIANTS for p in PASSES}
     for _ in range(rounds):
         for v, runner in variants.items():
-            for p, fn in zip(PASSES, (runner.train_step, runner.recompute), strict=True):
+            runner.train_step()  # the step before: the timed one's forward follows an optimizer step
+            for p, fn in zip(PASSES, (runner.train_step, runner.recompute, runner.recompute), strict=True):
                 start = time.perf_counter()
                 fn()
                 times[(v, p)].append(time.perf_counter() - start)
@@ -111,6 +121,7 @@ def run_case(name: str, batch: int, seq: int, rounds: int, seed: int, profiles: 
         stock = rows[-len(VARIANTS)]
         for row in rows[-len(VARIANTS) :]:
             row["time_ratio"] = row["time_ms"] / stock["time_ms"]
+            row["time_band"] = ratio_band(row["times_ms"][1:], stock["times_ms"][1:])
             if row["peak_bytes"] is not None:
                 row["peak_ratio"] = row["peak_bytes"] / stock["peak_bytes"]
     del variants, base
@@ -119,13 +130,13 @@ def run_case(name: str, batch: int, seq: int, rounds: int, seed: int, profiles: 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'model':<15}{'shape':>9} {'pass':<11}{'variant':<10}{'time ms':>10}{'x stock':>9}{'peak MiB':>10}"
-             f"{'x stock':>9}"]  # fmt: skip
+    lines = [f"{'model':<15}{'shape':>9} {'pass':<16}{'variant':<10}{'time ms':>10}{'x stock':>9}{'band':>11}"
+             f"{'peak MiB':>10}{'x stock':>9}"]  # fmt: skip
     for r in rows:
         peak = f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_ratio']:>8.3f}x" if r["peak_bytes"] is not None else ""
         lines.append(
-            f"{r['name']:<15}{r['shape']:>9} {r['pass']:<11}{r['variant']:<10}{r['time_ms']:>10.1f}"
-            f"{r['time_ratio']:>8.3f}x{peak}"
+            f"{r['name']:<15}{r['shape']:>9} {r['pass']:<16}{r['variant']:<10}{r['time_ms']:>10.1f}"
+            f"{r['time_ratio']:>8.3f}x{'{:.2f}-{:.2f}'.format(*r['time_band']):>11}{peak}"
         )
     return "\n".join(lines)
 

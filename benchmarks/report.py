@@ -24,6 +24,9 @@ from pathlib import Path
 TIME_TARGET = {"eager": 1.05, "compiled": 1.00}
 MEMORY_TARGET = 1.00
 EXACT_TARGET = {"rounding": 1.05, "exact": 1.20}
+# Passes reported without a target, and why: a recompute pass's first micro-batch also pays the exact trainer's
+# once-per-weight-change preparation of vLLM's GEMM weights, spread over the pass's many micro-batches.
+UNTARGETED_PASSES = {"first recompute": "once per weight change, no target"}
 REQUIRED = ("name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_ratio", "peak_ratio")
 
 
@@ -121,10 +124,15 @@ def exact_section(data: dict) -> str:
     misses = checked = 0
     for r in data["results"]:
         stock = r["variant"] == "stock"
-        time_cell, miss = _ratio(r["time_ratio"], EXACT_TARGET.get(r["variant"], 1.0), stock)
+        band = r.get("time_band")
+        if r["pass"] in UNTARGETED_PASSES and not stock:
+            spread = f" [{band[0]:.2f}-{band[1]:.2f}]" if band else ""
+            time_cell, miss = f"{r['time_ratio']:.3f}{spread} ({UNTARGETED_PASSES[r['pass']]})", False
+        else:
+            time_cell, miss = _ratio(r["time_ratio"], EXACT_TARGET.get(r["variant"], 1.0), stock, band)
         peak_cell, peak_miss = _ratio(r.get("peak_ratio"), MEMORY_TARGET, stock)
         misses += miss + peak_miss
-        checked += (not stock) + (not stock and r.get("peak_ratio") is not None)
+        checked += (not stock and r["pass"] not in UNTARGETED_PASSES) + (not stock and r.get("peak_ratio") is not None)
         lines.append("| " + " | ".join([
             r["name"], r["shape"], r["pass"], r["variant"], r.get("profile", ""), f"{r['time_ms']:.4g}", time_cell,
             _mib(r.get("peak_bytes")), peak_cell]) + " |")  # fmt: skip

@@ -124,6 +124,23 @@ def test_report_marks_misses_against_each_target():
     assert (misses, checked) == (2, 5) and "1.040 [1.01-1.08] (≤ 1.00) **miss**" in lines[3]
 
 
+def test_exact_report_checks_targeted_passes_and_shows_the_first_recompute_without_a_target():
+    def row(variant, pass_, ratio, band=None, peak=None):
+        return {"name": "m", "shape": "2x8", "pass": pass_, "variant": variant, "profile": "p", "time_ms": 10 * ratio,
+                "time_ratio": ratio, "time_band": band, "peak_bytes": peak and 2**20,
+                "peak_ratio": peak}  # fmt: skip
+
+    rows = [row("stock", "train step", 1.0, [1.0, 1.0], 1.0), row("exact", "train step", 1.25, [1.21, 1.3], 0.9),
+            row("stock", "first recompute", 1.0, [1.0, 1.0]), row("exact", "first recompute", 1.6, [1.5, 1.7]),
+            row("stock", "recompute", 1.0, [1.0, 1.0]), row("exact", "recompute", 1.25, [1.1, 1.3])]  # fmt: skip
+    block = report.exact_section({"results": rows})
+    lines = block.splitlines()
+    assert "1.250 [1.21-1.30] (≤ 1.20) **miss**" in lines[5]  # train step: time missed, peak met
+    assert "1.600 [1.50-1.70] (once per weight change, no target)" in lines[7]  # not a miss, not counted
+    assert "1.250 [1.10-1.30] (≤ 1.20) tie" in lines[9]  # its band reaches the target
+    assert lines[-1] == "Targets missed: 1 of 3 ratios checked."
+
+
 def test_ratio_band_is_the_quartiles_of_the_per_round_ratios():
     assert model_step.ratio_band([2.0, 4.0, 6.0, 8.0, 10.0], [2.0] * 5) == [2.0, 4.0]
     assert model_step.ratio_band([3.0], [2.0]) == [1.5, 1.5]  # one timed round: no spread to give
