@@ -60,7 +60,10 @@ def _ratio(ratio: float | None, target: float, is_stock: bool, band: list[float]
     spread = f" [{band[0]:.2f}-{band[1]:.2f}]" if band else ""
     miss = ratio > target and not (band and band[0] <= target)
     tie = ratio > target and not miss
-    return f"{ratio:.3f}{spread} (≤ {target:.2f})" + (" **miss**" if miss else " tie" if tie else ""), miss
+    text = f"{ratio:.3f}"
+    if ratio > target and float(text) <= target:  # a miss that three decimals would round away
+        text = f"{ratio:.5f}"
+    return f"{text}{spread} (≤ {target:.2f})" + (" **miss**" if miss else " tie" if tie else ""), miss
 
 
 def _mib(n: int | None) -> str:
