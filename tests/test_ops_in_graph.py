@@ -127,3 +127,15 @@ def test_swiglu(rule, dtype):
         return ops.swiglu(gate * 1.1, up * 1.1, rule) * 1.3
 
     _check(fn, (_values((3, 7, 301), 11, dtype), _values((3, 7, 301), 12, dtype)), f"swiglu {rule} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_swiglu_under_a_projection(dtype):
+    """As in a model: SwiGLU's output goes through a linear, so its incoming gradient is a GEMM's output buffer,
+    which the compiled backward writes the gate's gradient over (``roundalign.ops._traced``)."""
+
+    def fn(gate, up, weight):
+        return ops.swiglu(gate, up, "once") @ weight
+
+    w = _values((301, 64), 13, dtype) / 8
+    _check(fn, (_values((3, 7, 301), 11, dtype), _values((3, 7, 301), 12, dtype), w), f"swiglu, projected, {dtype}")
