@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import assert_bitwise_equal, spread_rows, sprinkle
 from roundalign import native
@@ -84,6 +85,13 @@ def test_silu_backward_of_product(dtype, threads):
             grad, up = (sprinkle(torch.randn(n, generator=g).to(dtype), g, 0.01) for _ in range(2))
             expected = EAGER.silu_backward_of_product(grad, up, gate)
             assert_bitwise_equal(_aten.silu_backward_of_product(grad, up, gate), expected, f"{dtype} n={n}")
+            # both of SwiGLU's gradients, the gate's written over grad, as a compiled model runs it; the up
+            # gradient against eager's formula (F.silu of the widened gate, on the whole tensor)
+            over = grad.clone()
+            gate_grad, up_grad = _aten.silu_backward_of_product(over, up, gate, out=over, with_up=True)
+            assert gate_grad is over
+            assert_bitwise_equal(over, expected, f"{dtype} n={n}, over grad")
+            assert_bitwise_equal(up_grad, (grad.float() * F.silu(gate.float())).to(dtype), f"{dtype} n={n}, up")
     finally:
         torch.set_num_threads(before)
 
@@ -93,6 +101,20 @@ def test_silu_in_model_op_with_and_without_kernel(monkeypatch):
     g = torch.Generator().manual_seed(6)
     grad, up, gate = (torch.randn(3, 5, 301, generator=g).to(BF16) for _ in range(3))
     by_kernel = _traced.silu_backward_of_product_blocks(grad, up, gate)
-    monkeypatch.setitem(_aten._state, "SiLU backward", None)
-    assert_bitwise_equal(by_kernel, _traced.silu_backward_of_product_blocks(grad, up, gate))
+    expected = EAGER.swiglu_backward(grad, up, gate)
+    strided = torch.randn(3, 301, 5, generator=g).to(BF16).transpose(1, 2)  # not contiguous: computed, then copied
+
+    def swiglu_backward_(grad):  # the in-place op a compiled model runs, on a copy of grad
+        over = grad.clone() if grad.is_contiguous() else grad.clone().transpose(1, 2).contiguous().transpose(1, 2)
+        up_grad = torch.ops.roundalign.swiglu_backward_(over, up, gate)
+        return over, up_grad
+
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setitem(_aten._state, "SiLU backward", None)
+        assert_bitwise_equal(by_kernel, _traced.silu_backward_of_product_blocks(grad, up, gate))
+        for mine, theirs in zip(swiglu_backward_(grad), expected, strict=True):
+            assert_bitwise_equal(mine, theirs, f"kernel {kernel}")
+        for mine, theirs in zip(swiglu_backward_(strided), EAGER.swiglu_backward(strided, up, gate), strict=True):
+            assert_bitwise_equal(mine, theirs, f"kernel {kernel}, strided grad")
     assert_bitwise_equal(by_kernel, EAGER.silu_backward_of_product(grad, up, gate))

@@ -60,6 +60,13 @@ class Eager:
         widened = self.to(grad, acc) * self.to(up, acc)
         return self.to(self.silu_backward(widened, self.to(gate, acc)), gate.dtype)
 
+    def swiglu_backward(self, grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor):
+        """SwiGLU ``once``'s two gradients: the gate's (``silu_backward_of_product``) and the up's,
+        ``r(grad32 * silu(gate32))``."""
+        acc = compute_dtype(gate)
+        grad_gate = self.silu_backward_of_product(grad, up, gate)
+        return grad_gate, self.to(self.to(grad, acc) * F.silu(self.to(gate, acc)), up.dtype)
+
 
 EAGER = Eager()
 

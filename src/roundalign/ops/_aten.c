@@ -70,25 +70,57 @@ INLINE float silu_backward(float dy, float x, int vector) {
     return dy * s * fmaf(x, 1.0f - s, 1.0f);
 }
 
-INLINE void run(const uint16_t *g, const uint16_t *u, const uint16_t *x, void *out, int64_t begin, int64_t end,
-                int64_t vector_end, int fmt, int out_fp32) {
-#define AT(i, vector) silu_backward(widen(g, i, fmt) * widen(u, i, fmt), widen(x, i, fmt), vector)
-    if (out_fp32) { /* the unrounded results: what the probe compares */
-        for (int64_t i = begin; i < vector_end; ++i) ((float *)out)[i] = AT(i, 1);
-        for (int64_t i = vector_end; i < end; ++i) ((float *)out)[i] = AT(i, 0);
-        return;
+/* ATen's silu on fp32 (Activation.cpp): x / (1 + exp(-x)), with the same two exps, split as its backward's. */
+INLINE float silu(float x, int vector) { return x / (1.0f + (vector ? sleef_expf_u10(-x) : expf(-x))); }
+
+/* Elements [b, e) of one range, all on one exp path, through local blocks: the loops read g, u, x and write only
+   the blocks, so they vectorise whatever out aliases (out may be g), and each block is copied out after. */
+#define BLOCK 256
+#define PATH(vector)                                                                                                \
+    for (int64_t k = b; k < e; k += BLOCK) {                                                                         \
+        const int64_t m = e - k < BLOCK ? e - k : BLOCK;                                                             \
+        uint16_t bg[BLOCK], bu[BLOCK];                                                                               \
+        float fg[BLOCK], fu[BLOCK];                                                                                  \
+        if (out_fp32) {                                                                                              \
+            for (int64_t j = 0; j < m; ++j) {                                                                        \
+                const float gi = widen(g, k + j, fmt), xi = widen(x, k + j, fmt);                                    \
+                fg[j] = silu_backward(gi * widen(u, k + j, fmt), xi, vector);                                        \
+                fu[j] = gi * silu(xi, vector);                                                                       \
+            }                                                                                                        \
+            memcpy((float *)out + k, fg, m * 4);                                                                     \
+            if (up_out) memcpy((float *)up_out + k, fu, m * 4);                                                      \
+        } else if (up_out) {                                                                                         \
+            for (int64_t j = 0; j < m; ++j) {                                                                        \
+                const float gi = widen(g, k + j, fmt), xi = widen(x, k + j, fmt);                                    \
+                bg[j] = narrow(silu_backward(gi * widen(u, k + j, fmt), xi, vector), fmt);                           \
+                bu[j] = narrow(gi * silu(xi, vector), fmt);                                                          \
+            }                                                                                                        \
+            memcpy((uint16_t *)out + k, bg, m * 2);                                                                  \
+            memcpy((uint16_t *)up_out + k, bu, m * 2);                                                               \
+        } else {                                                                                                     \
+            for (int64_t j = 0; j < m; ++j)                                                                          \
+                bg[j] = narrow(silu_backward(widen(g, k + j, fmt) * widen(u, k + j, fmt), widen(x, k + j, fmt),      \
+                                             vector), fmt);                                                          \
+            memcpy((uint16_t *)out + k, bg, m * 2);                                                                  \
+        }                                                                                                            \
     }
-    uint16_t *o = out;
-    for (int64_t i = begin; i < vector_end; ++i) o[i] = narrow(AT(i, 1), fmt);
-    for (int64_t i = vector_end; i < end; ++i) o[i] = narrow(AT(i, 0), fmt);
-#undef AT
+
+/* The gate gradient into out, and where up_out is given the up gradient r(g * silu(x)) (SwiGLU's other gradient,
+   as eager computes it from grad32 and F.silu of the widened gate). */
+INLINE void run(const uint16_t *g, const uint16_t *u, const uint16_t *x, void *out, void *up_out, int64_t begin,
+                int64_t end, int64_t vector_end, int fmt, int out_fp32) {
+    int64_t b = begin, e = vector_end;
+    PATH(1)
+    b = vector_end, e = end;
+    PATH(0)
 }
+#undef PATH
 
 /* out = r(silu_backward(g * u, x)) over n elements, as ATen computes it on the whole tensor with `threads` threads
    and `width` lanes; g, u, x in the 16-bit format fmt (0 bf16, 1 fp16), contiguous; out in fmt, or fp32 and not
-   rounded (out_fp32). */
+   rounded (out_fp32). up_out, unless NULL: r(g * silu(x)) likewise. out may be g. */
 void roundalign_silu_backward_of_product(const uint16_t *g, const uint16_t *u, const uint16_t *x, void *out,
-                                         int64_t n, int threads, int width, int fmt, int out_fp32) {
+                                         void *up_out, int64_t n, int threads, int width, int fmt, int out_fp32) {
     const int64_t grain = 32768;
     int64_t ranges = 1;
     if (n > grain && threads > 1) {
@@ -104,7 +136,7 @@ void roundalign_silu_backward_of_product(const uint16_t *g, const uint16_t *u, c
         if (begin >= n) continue;
         const int64_t end = begin + size < n ? begin + size : n;
         const int64_t vector_end = begin + (end - begin) / step * step;
-        if (fmt == FP16) run(g, u, x, out, begin, end, vector_end, FP16, out_fp32);
-        else run(g, u, x, out, begin, end, vector_end, BF16, out_fp32);
+        if (fmt == FP16) run(g, u, x, out, up_out, begin, end, vector_end, FP16, out_fp32);
+        else run(g, u, x, out, up_out, begin, end, vector_end, BF16, out_fp32);
     }
 }

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from roundalign import native
 
@@ -43,15 +44,15 @@ def _load() -> ctypes.CDLL:
     flags = [*native.FLAGS, "-fno-trapping-math", *openmp]
     lib = native.build(SOURCE, "aten-kernels", "libroundalign_aten", flags, libs)
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.roundalign_silu_backward_of_product.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.roundalign_silu_backward_of_product.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
     lib.roundalign_silu_backward_of_product.restype = None
     return lib
 
 
-def _silu_call(lib, grad, up, gate, out, width: int, threads: int, out_fp32: bool) -> None:
+def _silu_call(lib, grad, up, gate, out, width: int, threads: int, out_fp32: bool, up_out=None) -> None:
     lib.roundalign_silu_backward_of_product(
-        grad.data_ptr(), up.data_ptr(), gate.data_ptr(), out.data_ptr(), gate.numel(), threads, width,
-        _FORMATS[gate.dtype], int(out_fp32),
+        grad.data_ptr(), up.data_ptr(), gate.data_ptr(), out.data_ptr(), None if up_out is None else up_out.data_ptr(),
+        gate.numel(), threads, width, _FORMATS[gate.dtype], int(out_fp32),
     )  # fmt: skip
 
 
@@ -64,19 +65,25 @@ def _silu_width(lib: ctypes.CDLL) -> int:
         for dy in (1.0, 3.3):  # dy * s * t: two dys pin down s * t and its rounding
             grad, up = torch.full_like(gate, dy), torch.ones_like(gate)
             dy32 = grad.float() * up.float()
-            got = torch.empty(gate.shape)
+            got, got_up = torch.empty(gate.shape), torch.empty(gate.shape)
             # the vector exp: whole vector steps, ranges of 32,768 (a multiple of any step)
-            _silu_call(lib, grad, up, gate, got, 8, 1, True)
+            _silu_call(lib, grad, up, gate, got, 8, 1, True, got_up)
             vector = torch.cat([torch.ops.aten.silu_backward(dy32[i : i + GRAIN], gate[i : i + GRAIN].float())
                                 for i in range(0, gate.numel(), GRAIN)])  # fmt: skip
+            silu = torch.cat([F.silu(gate[i : i + GRAIN].float()) for i in range(0, gate.numel(), GRAIN)])
+            vector_up = grad.float() * silu
             _check(got, vector, f"SiLU's backward on every {dtype} gate value (vector exp)")
+            _check(got_up, vector_up, f"SiLU on every {dtype} gate value (vector exp)")
             # the scalar exp: ATen's scalar loop runs on strided operands, the kernel with no vector step
-            _silu_call(lib, grad, up, gate, got, every_path, 1, True)
+            _silu_call(lib, grad, up, gate, got, every_path, 1, True, got_up)
             scalar = torch.ops.aten.silu_backward(_strided(dy32), _strided(gate.float()))
+            scalar_up = grad.float() * F.silu(_strided(gate.float()))
             _check(got, scalar, f"SiLU's backward on every {dtype} gate value (scalar exp)")
+            _check(got_up, scalar_up, f"SiLU on every {dtype} gate value (scalar exp)")
     # Which elements take which exp: gate values where the two differ, at every position of a tensor split over this
     # machine's threads; exactly one W must give ATen's bits.
     differ = (vector.view(torch.int32) != scalar.view(torch.int32)) & ~vector.isnan()
+    differ |= (vector_up.view(torch.int32) != scalar_up.view(torch.int32)) & ~vector_up.isnan()
     tricky = gate[differ]  # fp16 gate values (the last dtype probed)
     if tricky.numel() == 0:
         return 8  # both exps agree everywhere: positions cannot matter
@@ -84,11 +91,14 @@ def _silu_width(lib: ctypes.CDLL) -> int:
     gate = tricky.repeat(n // tricky.numel() + 1)[:n].contiguous()
     grad, up = torch.full_like(gate, 3.3), torch.ones_like(gate)  # the dy the differing values were found at
     expected = torch.ops.aten.silu_backward(grad.float() * up.float(), gate.float())
+    expected_up = grad.float() * F.silu(gate.float())
     matches = []
     for width in (8, 16):
-        got = torch.empty(gate.shape)
-        _silu_call(lib, grad, up, gate, got, width, threads, True)
-        if torch.equal(got.view(torch.int32), expected.view(torch.int32)):
+        got, got_up = torch.empty(gate.shape), torch.empty(gate.shape)
+        _silu_call(lib, grad, up, gate, got, width, threads, True, got_up)
+        same = (torch.equal(got.view(torch.int32), expected.view(torch.int32))
+                and torch.equal(got_up.view(torch.int32), expected_up.view(torch.int32)))  # fmt: skip
+        if same:
             matches.append(width)
     if len(matches) != 1:
         raise RuntimeError("ATen's SiLU backward splits its vector and scalar elements otherwise than the kernel")
@@ -133,19 +143,26 @@ def _kernel(name: str, probe) -> tuple[ctypes.CDLL, int] | None:
     return _state[name]
 
 
-def silu_backward_of_product(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+def silu_backward_of_product(
+    grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None, with_up: bool = False
+):
     """``r(silu_backward(grad32 * up32, gate32))`` in the gate's dtype, as ATen computes it on the whole tensor
     with torch's threads; None where the kernel is off or does not take these tensors (16-bit CPU tensors of one
-    dtype and shape)."""
+    dtype and shape). ``out``: where to write it, contiguous, of the gate's dtype and shape, ``grad`` itself
+    included (each element is read before it is written). ``with_up``: return ``(gate gradient, up gradient)``, the
+    second ``r(grad32 * silu(gate32))`` as eager computes it from ``F.silu`` of the widened gate (SwiGLU's)."""
     if gate.device.type != "cpu" or gate.dtype not in (torch.bfloat16, torch.float16) or gate.numel() == 0:
         return None
     if grad.dtype != gate.dtype or up.dtype != gate.dtype or grad.shape != gate.shape or up.shape != gate.shape:
+        return None
+    if out is not None and not (out.is_contiguous() and out.dtype == gate.dtype and out.shape == gate.shape):
         return None
     loaded = _kernel("SiLU backward", _silu_width)
     if loaded is None:
         return None
     lib, width = loaded
-    out = torch.empty(gate.shape, dtype=gate.dtype)
     grad, up, gate = grad.contiguous(), up.contiguous(), gate.contiguous()
-    _silu_call(lib, grad, up, gate, out, width, torch.get_num_threads(), False)
-    return out
+    out = torch.empty(gate.shape, dtype=gate.dtype) if out is None else out
+    up_out = torch.empty(gate.shape, dtype=gate.dtype) if with_up else None
+    _silu_call(lib, grad, up, gate, out, width, torch.get_num_threads(), False, up_out)
+    return (out, up_out) if with_up else out

@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
 from roundalign.numerics.formulas import Eager, rstd_aten
@@ -67,6 +68,11 @@ _lib.define("silu_backward(Tensor grad, Tensor x) -> Tensor")
 _lib.define("rms_rstd_rows(Tensor x, float eps) -> Tensor")
 _lib.define("rms_row_dot_rows(Tensor grad, Tensor weight, Tensor x, bool rounded_product) -> Tensor")
 _lib.define("silu_backward_of_product(Tensor grad, Tensor up, Tensor gate) -> Tensor")
+# SwiGLU's backward (rule once) in one call that writes the gate's gradient over grad and returns up's: inside a
+# compiled model grad is dead after it, so Inductor holds two MLP-wide buffers here, as for stock's fused kernel,
+# not three (grad, the up gradient and the call's result). Nothing else reads grad, so no read of it can be
+# scheduled after the write.
+_lib.define("swiglu_backward_(Tensor(a!) grad, Tensor up, Tensor gate) -> Tensor")
 
 _lib.impl("round_to", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
 _lib.impl("widen", lambda x, dtype: x.to(dtype), "CompositeExplicitAutograd")
@@ -135,6 +141,22 @@ _lib.impl("rms_rstd_rows", rms_rstd_rows, "CompositeExplicitAutograd")
 _lib.impl("rms_row_dot_rows", rms_row_dot_rows, "CompositeExplicitAutograd")
 _lib.impl("silu_backward_of_product", silu_backward_of_product_blocks, "CompositeExplicitAutograd")
 
+
+def swiglu_backward_(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``Eager.swiglu_backward``'s two gradients, the gate's written over ``grad``: by the SiLU kernel, else the up
+    gradient first (from the whole tensor, as eager computes it) and the gate's by blocks."""
+    if grad.is_contiguous():
+        done = _aten.silu_backward_of_product(grad, up, gate, out=grad, with_up=True)
+        if done is not None:
+            return done[1]
+    acc = compute_dtype(gate)
+    grad_up = (grad.to(acc) * F.silu(gate.to(acc))).to(up.dtype)
+    grad.copy_(silu_backward_of_product_blocks(grad, up, gate))
+    return grad_up
+
+
+_lib.impl("swiglu_backward_", swiglu_backward_, "CompositeExplicitAutograd")
+
 _registered = False
 
 
@@ -193,6 +215,7 @@ torch.library.register_fake("roundalign::rms_row_dot_rows")(
     lambda grad, weight, x, rounded_product: x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x))
 )
 torch.library.register_fake("roundalign::silu_backward_of_product")(lambda grad, up, gate: torch.empty_like(gate))
+torch.library.register_fake("roundalign::swiglu_backward_")(lambda grad, up, gate: torch.empty_like(up))
 
 
 def rstd_op(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -273,6 +296,14 @@ class Traced(Eager):
         if self.in_model:
             return torch.ops.roundalign.silu_backward_of_product(self.settle(grad), up, gate)
         return super().silu_backward_of_product(grad, up, gate)
+
+    def swiglu_backward(self, grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor):
+        if self.in_model and torch.compiler.is_compiling():
+            # One call, the gate's gradient written over grad (no third MLP-wide buffer). Tracing only: in eager,
+            # grad is autograd's tensor (perhaps expanded), not ours to overwrite.
+            grad_up = torch.ops.roundalign.swiglu_backward_(grad, up, gate)
+            return grad, grad_up
+        return super().swiglu_backward(grad, up, gate)
 
 
 def _fusable_sum(x32: torch.Tensor) -> int | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from roundalign.numerics.dtypes import compute_dtype
 from roundalign.numerics.formulas import EAGER
 from roundalign.numerics.formulas import swiglu as _swiglu
 from roundalign.ops._custom import define_pair
@@ -25,11 +24,8 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, r
     if rule == SwiGLURule.ROUND_SILU:  # silu(g) * u in the 16-bit dtype
         grad_gate = num.silu_backward(num.ew(torch.mul, grad, up), gate)  # in the 16-bit dtype, as autograd's
         return grad_gate, num.ew(torch.mul, grad, num.ew(F.silu, gate))
-    if rule == SwiGLURule.ONCE:
-        acc = compute_dtype(gate)
-        g32, grad32 = num.to(gate, acc), num.to(grad, acc)
-        grad_gate = num.silu_backward_of_product(grad, up, gate)  # r(silu_backward(grad32 * u32, g32))
-        return grad_gate, num.to(grad32 * F.silu(g32), up.dtype)
+    if rule == SwiGLURule.ONCE:  # r(silu_backward(grad32 * u32, g32)) and r(grad32 * silu(g32))
+        return num.swiglu_backward(grad, up, gate)
     raise ValueError(f"unknown swiglu rule {rule!r}")
 
 
