@@ -5,7 +5,8 @@ bit (``roundalign.ops._traced``). ATen's ``silu_backward`` needs its operands in
 widened and multiplied into fp32 copies, several passes. ``_aten.c`` restates the kernel and computes each operand on
 the fly from the stored 16-bit tensors: ``silu_backward_of_product`` is ``r(silu_backward(grad * up, gate))`` as
 ATen's kernel computes it on the whole tensor (Sleef's exp in its vector loop, libm's on the elements each thread's
-range leaves over).
+range leaves over). It can also give SwiGLU's up gradient ``r(grad * silu(gate))`` in the same pass (ATen's silu
+splits its elements between the two exps as its backward does) and write the gate's over ``grad``.
 
 It is used only where a probe, run when the library loads, finds ATen computing the same bits on this machine: every
 bf16 and fp16 gate value through both of ATen's exps, at this machine's W and thread ranges. Elsewhere (no C

@@ -28,7 +28,9 @@ two fp32 MLP-wide tensors, held at the backward's peak where stock's fused code 
 - RMSNorm's row sums (the variance, the backward's ``sum(grad_normed * x)``) are ATen's summation order written as
   tensor ops (``roundalign.ops._cascade``), which Inductor fuses with the squares and products that feed them;
 - SiLU's backward reads the stored 16-bit tensors (``roundalign::silu_backward_of_product``) by a C kernel that
-  restates ATen's (``roundalign.ops._aten``), else ATen's call on about 1 MiB of widened elements at a time;
+  restates ATen's (``roundalign.ops._aten``), else ATen's call on about 1 MiB of widened elements at a time; under
+  ``torch.compile`` SwiGLU's two gradients come from one call that writes the gate's over the incoming gradient
+  (``roundalign::swiglu_backward_``), so that Inductor holds no third MLP-wide buffer;
 - where ``_cascade`` cannot say ATen's order (an ATen whose order it does not match, rows of 32,768 or more), the row
   sums are opaque ops over the stored tensors too (``roundalign::rms_rstd_rows``, ``rms_row_dot_rows``): ATen's
   calls on about 1 MiB of widened rows at a time, the same bits, since rows are reduced alone;
