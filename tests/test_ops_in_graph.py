@@ -139,3 +139,25 @@ def test_swiglu_under_a_projection(dtype):
 
     w = _values((301, 64), 13, dtype) / 8
     _check(fn, (_values((3, 7, 301), 11, dtype), _values((3, 7, 301), 12, dtype), w), f"swiglu, projected, {dtype}")
+
+
+def test_swiglu_as_the_graph_output_leaves_the_callers_gradient_alone():
+    """The compiled SwiGLU backward writes the gate's gradient over its incoming gradient; where that gradient is
+    the one the caller passed to ``backward`` (SwiGLU's output is the graph's), the caller's tensor keeps its values
+    and the gradients are eager's."""
+    gate, up = _values((3, 7, 301), 11), _values((3, 7, 301), 12)
+    grad = _values((3, 7, 301), 13)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        leaves = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+
+        def fn(g, u):
+            return ops.swiglu(g, u, "once")
+
+        passed = grad.clone()
+        (torch.compile(fn, fullgraph=True) if compiled else fn)(*leaves).backward(passed)
+        assert_bitwise_equal(passed, grad, f"the caller's gradient, compiled={compiled}")
+        results.append([leaf.grad for leaf in leaves])
+    for mine, eager in zip(results[1], results[0], strict=True):
+        assert_bitwise_equal(mine, eager, "compiled gradient")
