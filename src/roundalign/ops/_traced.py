@@ -49,10 +49,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
-from roundalign.numerics.formulas import Eager, rstd_aten
+from roundalign.numerics.formulas import EAGER, Eager, rstd_aten
 from roundalign.ops import _aten, _cascade
 
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
@@ -145,15 +144,14 @@ _lib.impl("silu_backward_of_product", silu_backward_of_product_blocks, "Composit
 
 
 def swiglu_backward_(grad: torch.Tensor, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``Eager.swiglu_backward``'s two gradients, the gate's written over ``grad``: by the SiLU kernel, else the up
-    gradient first (from the whole tensor, as eager computes it) and the gate's by blocks."""
+    """``Eager.swiglu_backward``'s two gradients, the gate's written over ``grad``: by the SiLU kernel, else by
+    the eager formulas themselves."""
     if grad.is_contiguous():
         done = _aten.silu_backward_of_product(grad, up, gate, out=grad, with_up=True)
         if done is not None:
             return done[1]
-    acc = compute_dtype(gate)
-    grad_up = (grad.to(acc) * F.silu(gate.to(acc))).to(up.dtype)
-    grad.copy_(silu_backward_of_product_blocks(grad, up, gate))
+    grad_gate, grad_up = EAGER.swiglu_backward(grad, up, gate)
+    grad.copy_(grad_gate)
     return grad_up
 
 
