@@ -68,15 +68,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale:
     """Causal attention of sequences packed back to back (q ``(tokens, heads, head_dim)``, k/v ``(tokens, kv_heads,
     head_dim)``, sequence ``j`` the next ``lengths[j]`` rows), each from position 0: vLLM's prefill of them."""
     ops = load()
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     _, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    lengths, blocks, slots, table, starts, metadata = _layout(tuple(int(n) for n in lengths), heads, kv_heads, head_dim,
-                                                              q.dtype)  # fmt: skip
+    lengths, blocks, slots, table, starts, isa, metadata = _layout(tuple(int(n) for n in lengths), heads, kv_heads,
+                                                                   head_dim, q.dtype)  # fmt: skip
     cache = torch.zeros(blocks, kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=k.dtype)
     key_cache, value_cache = cache.view(cache.shape[0], kv_heads, 2 * BLOCK_SIZE, head_dim).chunk(2, dim=2)
-    isa = _get_attn_isa(q.dtype, BLOCK_SIZE, head_dim)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
     out = torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(
@@ -103,8 +100,8 @@ _LAYOUT: list = []  # (key, layout) of the batch in progress: its layers share i
 
 def _layout(lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """The KV-cache layout and vLLM's scheduler metadata for sequences of ``lengths``: ``(lengths, blocks, slots,
-    table, starts, metadata)``. Built once per batch and shared by its layers, as vLLM builds its attention metadata
-    once per step (a third of a call's time at tiny-qwen3's sizes)."""
+    table, starts, isa, metadata)``. Built once per batch and shared by its layers, as vLLM builds its attention
+    metadata once per step (a third of a call's time at tiny-qwen3's sizes)."""
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -123,6 +120,7 @@ def _layout(lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, 
     table = (first_block[:, None] + torch.arange(width)[None, :]).clamp(max=total - 1).to(torch.int32)
     starts = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(sizes, 0)
+    isa = _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(lengths),
         num_heads=heads,
@@ -133,10 +131,10 @@ def _layout(lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, 
         query_start_loc=starts,
         causal=True,
         sliding_window_size=-1,
-        isa=_get_attn_isa(dtype, BLOCK_SIZE, head_dim),
+        isa=isa,
         enable_kv_split=key[-1],
     )
-    layout = (sizes, total, slots.to(torch.int64), table, starts, metadata)
+    layout = (sizes, total, slots.to(torch.int64), table, starts, isa, metadata)
     _LAYOUT[:] = [(key, layout)]
     return layout
 
