@@ -96,6 +96,58 @@ def test_kernels_and_torch_formulas_export_the_same_bits(dtype, threads, monkeyp
         assert torch.equal(a, b)
 
 
+def _weight_like(n: int, seed: int) -> torch.Tensor:
+    """Weights as a model has them (N(0, 0.02^2), so nearly every run of 32 lies in fp16's normal range, the
+    kernels' common path), with a few runs that leave it at every kind of edge, each alone among ordinary values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.02
+    x[x.abs() < 2.0**-13] = 0.01  # no value below fp16's normal range except the planted ones
+    edges = [2.0**-14, -(2.0**-14), 2.0**-14 * (1 - 2.0**-24), 2.0**-17, 2.0**-17 * (1 - 2.0**-24), 2.0**-24,
+             2.0**-30, 2.0**-149, 0.0, -0.0, 65504.0, 65519.996, 65520.0, 65536.0, -65536.0, 3.0e38,
+             float("inf"), -float("inf"), float("nan")]  # fmt: skip
+    at = torch.arange(len(edges)) * 4099 + 77  # each far from the others: its own run of 32 in its own thread's part
+    x[at] = torch.tensor(edges)
+    x.view(torch.int32)[at[-1] + 64] = 0x7F800001  # a NaN whose payload is one bit: noise must not reach it
+    x.view(torch.int32)[at[-1] + 128] = -0x00000001  # -NaN, every payload bit set
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+def test_weight_like_values_export_the_formulas_bits(dtype, threads, stream, monkeypatch):
+    # The kernels' common path (fp16: 13 noise bits for a run of values in the normal range) and its edges (a run
+    # with one value below 2^-14, zeros, NaN, overflow), with the served copy written through the cache or around it
+    # (streamed stores, what a large export does): the torch formulas' bits, residual included.
+    _kernels()
+    x = _weight_like(3 * _native._MIN_SPLIT + 13, 5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(_native, "STREAM_BYTES", 0 if stream else 1 << 62)
+    native = _with_path("kernels", monkeypatch, lambda: _every_mode(x, dtype))
+    reference = _with_path("torch", monkeypatch, lambda: _every_mode(x, dtype))
+    for a, b in zip(native, reference, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kernels_built_without_openmp_run_on_their_own_threads(monkeypatch, tmp_path):
+    # Where torch ships no libgomp the kernels build without OpenMP and run_many calls one run per Python thread:
+    # the same bits, split over two threads.
+    _kernels()
+    x = _weight_like(3 * _native._MIN_SPLIT + 13, 6)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with_openmp = [_every_mode(x, dtype) for dtype in (torch.bfloat16, torch.float16)]
+    assert _native.kernels().roundalign_sync_threads() == (native.openmp() != ([], ()))
+    monkeypatch.setenv("ROUNDALIGN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "openmp", lambda: ([], ()))
+    monkeypatch.setattr(_native, "_state", {})
+    monkeypatch.setattr(_native, "_pool", [])
+    assert _native.kernels().roundalign_sync_threads() == 0
+    without = [_every_mode(x, dtype) for dtype in (torch.bfloat16, torch.float16)]
+    assert _native._pool and _native._pool[1] == 2  # the runs went to two pool threads
+    for a, b in zip(sum(with_openmp, []), sum(without, []), strict=True):
+        assert torch.equal(a, b)
+
+
 def _every_mode(x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     """Two stochastic exports at an odd offset and two error-feedback steps of ``x``: their bits, residual included."""
     s, ef = ExportState.seeded(9), ExportState()

@@ -47,6 +47,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("ROUNDALIGN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "roundalign"))
 
 
+def openmp() -> tuple[list[str], tuple[str, ...]]:
+    """Compiler flags and link arguments for a kernel that runs on torch's own OpenMP threads: ``-fopenmp`` linked
+    to the libgomp torch ships and has loaded (the same soname, so one runtime and one thread pool; a second pool
+    would spin against torch's workers). ``([], ())`` where torch ships none (the kernel then builds without
+    OpenMP, and its ``#pragma omp`` lines are ignored)."""
+    import torch
+
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not gomp.exists():
+        return [], ()
+    return ["-fopenmp"], (str(gomp), f"-Wl,-rpath,{gomp.parent}")
+
+
 def build(source: Path, subdir: str, stem: str, flags: list[str] = FLAGS, libs: tuple[str, ...] = ()) -> ctypes.CDLL:
     """``source`` compiled with ``flags``, linked with ``libs`` (once; cached in ``cache_root() / subdir``), loaded."""
     cc = compiler()

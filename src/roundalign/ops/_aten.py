@@ -37,13 +37,9 @@ _state: dict = {}
 
 def _load() -> ctypes.CDLL:
     # -fno-trapping-math: the exp's selects become vector blends (no value changes: nothing is reassociated)
-    # -fopenmp linked to the libgomp torch ships and has loaded (the same soname, so one runtime and one thread pool:
-    # a second pool would spin against torch's workers)
-    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    openmp = ["-fopenmp"] if gomp.exists() else []
-    libs = ("-lm", str(gomp), f"-Wl,-rpath,{gomp.parent}") if gomp.exists() else ("-lm",)
+    openmp, gomp = native.openmp()  # ATen's ranges on torch's own threads
     flags = [*native.FLAGS, "-fno-trapping-math", *openmp]
-    lib = native.build(SOURCE, "aten-kernels", "libroundalign_aten", flags, libs)
+    lib = native.build(SOURCE, "aten-kernels", "libroundalign_aten", flags, ("-lm", *gomp))
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.roundalign_silu_backward_of_product.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
     lib.roundalign_silu_backward_of_product.restype = None

@@ -9,7 +9,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -79,7 +79,30 @@ static inline __attribute__((always_inline)) void vthreefry(uint32_t k0, uint32_
 }
 
 static inline v8u32 load8(const uint32_t *p) { v8u32 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(uint16_t *p, v8u32 v) { v8u16 h = __builtin_convertvector(v, v8u16); memcpy(p, &h, sizeof h); }
+
+/* Eight served values. `stream` (a large export, _native.py's STREAM_BYTES) writes them around the cache: a served
+ * copy larger than the cache is not read again here, and a plain store would first read each line it fills from
+ * memory (2 bytes of traffic an element on top of the 2 it writes; error feedback then moves 14 bytes an element,
+ * not 16). Where the 16 bytes are not aligned (a shard's odd offset) the plain store does it; the bits are the same. */
+static inline void put16(uint16_t *p, v8u16 h, int stream) {
+#ifdef __SSE2__
+    if (stream && !((uintptr_t)p & 15)) {
+        __m128i x;
+        memcpy(&x, &h, sizeof x);
+        _mm_stream_si128((__m128i *)p, x);
+        return;
+    }
+#endif
+    memcpy(p, &h, sizeof h);
+}
+
+static inline void fence(int stream) { /* streamed stores are weakly ordered: done before the call returns */
+#ifdef __SSE2__
+    if (stream) _mm_sfence();
+#endif
+}
+
+static inline void store8(uint16_t *p, v8u32 v, int stream) { put16(p, __builtin_convertvector(v, v8u16), stream); }
 
 static inline void sr_one(const uint32_t *bits, uint16_t *out, uint64_t g, uint32_t k0, uint32_t k1, uint32_t c1) {
     *out = nan_or(*bits, (*bits + noise16(k0, k1, c1, g)) >> 16); /* the rounding point: add, truncate */
@@ -87,8 +110,8 @@ static inline void sr_one(const uint32_t *bits, uint16_t *out, uint64_t g, uint3
 
 /* bf16 SR of n fp32 values (as bits) that are elements first .. first + n - 1 of their tensor. inf + noise stays inf
  * (the noise is below the exponent); a finite value may round up to inf, with the probability it would round up. */
-void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
-                        uint32_t k1, uint32_t c1) {
+static void sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
+                    uint32_t k1, uint32_t c1, int stream) {
     int64_t i = 0;
     for (; i < n && ((first + (uint64_t)i) & 31); i++) sr_one(bits + i, out + i, first + i, k0, k1, c1); /* head */
     const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7}, low = (v8u32){0} + 0xFFFFu, abs = (v8u32){0} + 0x7FFFFFFFu;
@@ -106,11 +129,16 @@ void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, i
             for (int p = 0; p < 4; p++) {
                 v8u32 v = load8(b + 8 * p);
                 v8u32 nan = (v8u32)((v & abs) > inf); /* all ones where v is NaN: served 0xFFFF */
-                store8(o + 8 * p, ((v + parts[p]) >> 16) | nan); /* the rounding point: add below bf16's last bit */
+                store8(o + 8 * p, ((v + parts[p]) >> 16) | nan, stream); /* the rounding point: add below bf16's last bit */
             }
         }
     }
     for (i += 32 * U * rounds; i < n; i++) sr_one(bits + i, out + i, first + i, k0, k1, c1); /* the tail */
+}
+
+void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
+                        uint32_t k1, uint32_t c1) {
+    sr_bf16(bits, out, n, first, k0, k1, c1, 0);
 }
 
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -167,21 +195,27 @@ static inline uint16_t to_fp16(uint32_t t) {
 #endif
 }
 
-static inline void store8_fp16(uint16_t *p, v8u32 t) {
+static inline void store8_fp16(uint16_t *p, v8u32 t, int stream) {
+    v8u16 h;
 #ifdef __F16C__
-    __m128i h = _mm256_cvtps_ph((__m256)t, _MM_FROUND_TO_NEAREST_INT);
-    memcpy(p, &h, sizeof h);
+    __m128i x = _mm256_cvtps_ph((__m256)t, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(&h, &x, sizeof h);
 #else
-    for (int k = 0; k < 8; k++) p[k] = (uint16_t)fp16_rne(t[k]);
+    for (int k = 0; k < 8; k++) h[k] = (uint16_t)fp16_rne(t[k]);
 #endif
+    put16(p, h, stream);
 }
 
 static inline v8u32 vsel(v8u32 m, v8u32 a, v8u32 b) { return (a & m) | (b & ~m); } /* m ? a : b, m all ones or 0 */
 
 static inline int any8(v8u32 m) { /* any lane set */
+#ifdef __AVX__
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
     uint32_t any = 0;
     for (int k = 0; k < 8; k++) any |= m[k];
     return any != 0;
+#endif
 }
 
 static inline v8u32 vmin(v8u32 a, v8u32 b) { /* unsigned; GCC does not see a min in the select form */
@@ -236,16 +270,19 @@ static inline uint16_t sr_fp16_scalar(uint32_t u, uint64_t g, uint32_t k0, uint3
     return to_fp16(sr_fp16_grid(u, word));
 }
 
-void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
-                        uint32_t k1, uint32_t c1) {
+static void sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
+                    uint32_t k1, uint32_t c1, int stream) {
     int64_t i = 0;
     for (; i < n && ((first + (uint64_t)i) & 31); i++) out[i] = sr_fp16_scalar(bits[i], first + i, k0, k1, c1);
     const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7}, low = (v8u32){0} + 0xFFFFu, abs = (v8u32){0} + 0x7FFFFFFFu;
-    const v8u32 one = (v8u32){0} + 1u, small = (v8u32){0} + 0x36FFFFFFu, none = (v8u32){0} + 0xFFFFFFFFu;
+    const v8u32 one = (v8u32){0} + 1u, small = (v8u32){0} + 0x36FFFFFFu;
+    const v8u32 normal = (v8u32){0} + 0x38800000u, span = (v8u32){0} + (0x7F800000u - 0x38800000u); /* 2^-14 .. inf */
+    const v8u32 grid = (v8u32){0} + 0x1FFFu;
     int64_t rounds = (n - i) / (32 * U);
     uint32_t base = (uint32_t)(8 * ((first + (uint64_t)i) >> 5));
     for (int64_t q = 0; q < rounds; q++) { /* U groups of 32 elements: 8 * U blocks, bf16's layout */
-        v8u32 c0[U], x0[U], x1[U], least = none; /* the least |x| - 1 of the round (+-0: the largest) */
+        v8u32 c0[U], x0[U], x1[U];
+        int redo = 0; /* values 0 < |x| < 2^-17 in this round */
         for (int u = 0; u < U; u++) c0[u] = lanes + (base + 8 * (uint32_t)(U * q + u));
         vthreefry(k0, k1, c0, c1, x0, x1);
         for (int u = 0; u < U; u++) {
@@ -254,11 +291,17 @@ void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, i
             v8u32 parts[4] = {x0[u] & low, x0[u] >> 16, x1[u] & low, x1[u] >> 16};
             for (int p = 0; p < 4; p++) {
                 v8u32 v = load8(b + 8 * p);
-                store8_fp16(o + 8 * p, sr_fp16_grid8(v, parts[p]));
-                least = vmin(least, (v - one) & abs);
+                /* fp16's normal range and up to inf, nearly every weight: 13 noise bits, sr_fp16_grid's d at every
+                 * exponent from 2^-14; eight values with one below 2^-14 (zeros too) or a NaN take the general form */
+                v8u32 t = (v + (parts[p] & grid)) & ~grid; /* the rounding point: add noise, truncate */
+                if (__builtin_expect(any8((v8u32)(((v & abs) - normal) > span)), 0)) {
+                    t = sr_fp16_grid8(v, parts[p]);
+                    redo |= any8((v8u32)(((v - one) & abs) < small)); /* 0 < |x| < 2^-17 */
+                }
+                store8_fp16(o + 8 * p, t, stream);
             }
         }
-        if (any8((v8u32)(least < small))) /* rare: values 0 < |x| < 2^-17 in this round, redone with their whole word */
+        if (redo) /* rare: values 0 < |x| < 2^-17 in this round, redone with their whole word */
             for (int64_t j = i + 32 * U * q; j < i + 32 * U * (q + 1); j += 8) {
                 v8u32 redo = (v8u32)(((load8(bits + j) - one) & abs) < small);
                 if (any8(redo))
@@ -267,6 +310,11 @@ void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, i
             }
     }
     for (i += 32 * U * rounds; i < n; i++) out[i] = sr_fp16_scalar(bits[i], first + i, k0, k1, c1); /* the tail */
+}
+
+void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
+                        uint32_t k1, uint32_t c1) {
+    sr_fp16(bits, out, n, first, k0, k1, c1, 0);
 }
 
 /* RNE fp32 bits -> bf16 bits: add 0x7FFF plus the kept part's lowest bit, truncate; NaN as torch's vectorised CPU
@@ -280,7 +328,7 @@ static inline uint32_t bf16_rne(uint32_t u) {
  * Sterbenz). Where v or the served value is not finite, no finite residual carries the difference: the residual
  * restarts at +0. fresh and fp16 are constants at each call below, so each instantiation is one branch-free loop. */
 static inline __attribute__((always_inline)) void ef(const float *restrict master, float *restrict residual,
-                                                     uint16_t *restrict out, int64_t n, int fresh, int fp16) {
+                                                     uint16_t *restrict out, int64_t n, int fresh, int fp16, int stream) {
     uint32_t *r = (uint32_t *)residual;
     int64_t i = 0;
 #ifdef __F16C__
@@ -297,13 +345,29 @@ static inline __attribute__((always_inline)) void ef(const float *restrict maste
             v8f32 served = (v8f32)_mm256_cvtph_ps(s);
             v8u16 h;
             memcpy(&h, &s, sizeof h);
-            memcpy(out + i, &h, sizeof h);
+            put16(out + i, h, stream);
             v8u32 u = (v8u32)v, hs = __builtin_convertvector(h, v8u32);
             v8u32 keep = (v8u32)((u & 0x7F800000u) != 0x7F800000u) & (v8u32)((hs & 0x7C00u) != 0x7C00u);
             v8u32 rest = (v8u32)(v - served) & keep; /* residual = v - served, exact; else +0 */
             memcpy(r + i, &rest, sizeof rest);
         }
 #endif
+    if (!fp16) /* bf16_rne below, 8 at a time */
+        for (; i + 8 <= n; i += 8) {
+            v8f32 v;
+            memcpy(&v, master + i, sizeof v);
+            if (!fresh) {
+                v8f32 w;
+                memcpy(&w, residual + i, sizeof w);
+                v = v + w; /* EF's one rounding of the sum (fp32) */
+            }
+            v8u32 u = (v8u32)v, nan = (v8u32)((u & 0x7FFFFFFFu) > 0x7F800000u);
+            v8u32 s = (((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) | nan) & 0xFFFFu; /* the rounding point */
+            store8(out + i, s, stream);
+            v8u32 keep = (v8u32)((u & 0x7F800000u) != 0x7F800000u) & (v8u32)((s & 0x7F80u) != 0x7F80u);
+            v8u32 rest = (v8u32)(v - (v8f32)(s << 16)) & keep; /* residual = v - served, exact; else +0 */
+            memcpy(r + i, &rest, sizeof rest);
+        }
     for (; i < n; i++) {
         float v = fresh ? master[i] : master[i] + residual[i]; /* EF's one rounding of the sum (fp32) */
         uint32_t u = as_bits(v);
@@ -317,37 +381,72 @@ static inline __attribute__((always_inline)) void ef(const float *restrict maste
 }
 
 void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef(master, residual, out, n, 1, 0);
-    else ef(master, residual, out, n, 0, 0);
+    if (fresh) ef(master, residual, out, n, 1, 0, 0);
+    else ef(master, residual, out, n, 0, 0, 0);
 }
 
 void roundalign_ef_fp16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef(master, residual, out, n, 1, 1);
-    else ef(master, residual, out, n, 0, 1);
+    if (fresh) ef(master, residual, out, n, 1, 1, 0);
+    else ef(master, residual, out, n, 0, 1, 0);
 }
 
-/* Many tensors in one call (Exporter.export: one call per thread for a whole state_dict, no per-tensor Python).
- * desc holds count rows of int64: SR [bits, out, n, first, k0, k1, c1]; EF [master, residual, out, n, fresh]. */
-void roundalign_sr_bf16_many(int64_t count, const int64_t *desc) {
+/* Many tensors in one call (Exporter.export: a whole state_dict, no per-tensor Python). desc holds count rows of
+ * int64: SR [bits, out, n, first, k0, k1, c1]; EF [master, residual, out, n, fresh]. */
+static void sr_many(int fp16, int64_t count, const int64_t *desc, int stream) {
     for (int64_t t = 0; t < count; t++, desc += 7)
-        roundalign_sr_bf16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
-                           (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
+        (fp16 ? sr_fp16 : sr_bf16)((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
+                                   (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6], stream);
+    fence(stream);
 }
 
-void roundalign_sr_fp16_many(int64_t count, const int64_t *desc) {
-    for (int64_t t = 0; t < count; t++, desc += 7)
-        roundalign_sr_fp16((const uint32_t *)(intptr_t)desc[0], (uint16_t *)(intptr_t)desc[1], desc[2],
-                           (uint64_t)desc[3], (uint32_t)desc[4], (uint32_t)desc[5], (uint32_t)desc[6]);
+static void ef_many(int fp16, int64_t count, const int64_t *desc, int stream) {
+    for (int64_t t = 0; t < count; t++, desc += 5) {
+        const float *master = (const float *)(intptr_t)desc[0];
+        float *residual = (float *)(intptr_t)desc[1];
+        uint16_t *out = (uint16_t *)(intptr_t)desc[2];
+        int64_t n = desc[3];
+        if (fp16 && desc[4]) ef(master, residual, out, n, 1, 1, stream);
+        else if (fp16) ef(master, residual, out, n, 0, 1, stream);
+        else if (desc[4]) ef(master, residual, out, n, 1, 0, stream);
+        else ef(master, residual, out, n, 0, 0, stream);
+    }
+    fence(stream);
 }
 
-void roundalign_ef_fp16_many(int64_t count, const int64_t *desc) {
-    for (int64_t t = 0; t < count; t++, desc += 5)
-        roundalign_ef_fp16((const float *)(intptr_t)desc[0], (float *)(intptr_t)desc[1], (uint16_t *)(intptr_t)desc[2],
-                           desc[3], (int)desc[4]);
+/* runs + 1 offsets into desc's rows: run r is rows starts[r] .. starts[r + 1] - 1, one thread each. With OpenMP the
+ * threads are torch's own pool (_native.py links the libgomp torch loaded): no second pool spinning against it, and
+ * no Python thread hand-off. Without it, _native.py calls one run at a time from its own threads. */
+static void runs(int sr, int fp16, int64_t count, const int64_t *starts, const int64_t *desc, int64_t stream) {
+    int64_t cols = sr ? 7 : 5;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)count) schedule(static, 1) if (count > 1)
+#endif
+    for (int64_t k = 0; k < count; k++) {
+        if (sr) sr_many(fp16, starts[k + 1] - starts[k], desc + cols * starts[k], (int)stream);
+        else ef_many(fp16, starts[k + 1] - starts[k], desc + cols * starts[k], (int)stream);
+    }
 }
 
-void roundalign_ef_bf16_many(int64_t count, const int64_t *desc) {
-    for (int64_t t = 0; t < count; t++, desc += 5)
-        roundalign_ef_bf16((const float *)(intptr_t)desc[0], (float *)(intptr_t)desc[1], (uint16_t *)(intptr_t)desc[2],
-                           desc[3], (int)desc[4]);
+int roundalign_sync_threads(void) { /* 1 where the runs go on OpenMP threads, 0 where the caller's threads run them */
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void roundalign_sr_bf16_runs(int64_t count, const int64_t *starts, const int64_t *desc, int64_t stream) {
+    runs(1, 0, count, starts, desc, stream);
+}
+
+void roundalign_sr_fp16_runs(int64_t count, const int64_t *starts, const int64_t *desc, int64_t stream) {
+    runs(1, 1, count, starts, desc, stream);
+}
+
+void roundalign_ef_bf16_runs(int64_t count, const int64_t *starts, const int64_t *desc, int64_t stream) {
+    runs(0, 0, count, starts, desc, stream);
+}
+
+void roundalign_ef_fp16_runs(int64_t count, const int64_t *starts, const int64_t *desc, int64_t stream) {
+    runs(0, 1, count, starts, desc, stream);
 }

@@ -2,9 +2,11 @@
 
 A stochastic or error-feedback export in torch ops is several element-wise passes, and computing the noise is
 slower still; the C kernels do each mode in one pass, at about the cost of the plain cast (docs/sync.md, Cost). They
-are compiled once per machine (``roundalign.native``; cached in ``$ROUNDALIGN_CACHE_DIR/sync-kernels``). A tensor is
-split into as many contiguous runs of work as torch has threads (``run_many``: a whole state_dict is one C call per
-thread); ctypes releases the GIL during each call, so the runs go in parallel.
+are compiled once per machine (``roundalign.native``; cached in ``$ROUNDALIGN_CACHE_DIR/sync-kernels``). A whole
+state_dict is cut into as many contiguous runs of work as torch has threads (``run_many``) and handed to one C call,
+which runs them on torch's own OpenMP threads (where torch ships libgomp; elsewhere, one call per run from a Python
+thread pool, ctypes releasing the GIL). An export larger than the cache (``STREAM_BYTES``) writes its served copy
+with streaming stores, which skip reading each output line from memory before filling it.
 
 Where no compiler works, ``kernels()`` is None and export.py runs the torch formulas (the same bits, slower) after
 one RuntimeWarning; ``ROUNDALIGN_SYNC_KERNELS=0`` asks for that path on purpose.
@@ -13,6 +15,7 @@ one RuntimeWarning; ``ROUNDALIGN_SYNC_KERNELS=0`` asks for that path on purpose.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -26,19 +29,24 @@ ENV = "ROUNDALIGN_SYNC_KERNELS"
 SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = native.FLAGS
 _MIN_SPLIT = 1 << 16  # elements per thread below which one call does all the work (a thread hand-off costs more)
+# Served bytes from which an export streams its output past the cache: beyond any L3 it will not be read from there
+# (and a cache-resident output, a small model's, is cheaper left in it for whoever reads it next).
+STREAM_BYTES = 1 << 27
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None
 _pool: list = []  # [ThreadPoolExecutor, its size, the pid that made it]
 
 
 def _build() -> ctypes.CDLL:
-    lib = native.build(SOURCE, "sync-kernels", "libroundalign_sync", _FLAGS)
+    openmp, gomp = native.openmp()
+    lib = native.build(SOURCE, "sync-kernels", "libroundalign_sync", [*_FLAGS, *openmp], gomp)
     u32, i64, u64, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
     lib.roundalign_sr_bf16.argtypes = [ptr, ptr, i64, u64, u32, u32, u32]  # one tensor: what the tests call
     lib.roundalign_sr_bf16.restype = None
+    lib.roundalign_sync_threads.argtypes, lib.roundalign_sync_threads.restype = [], ctypes.c_int
     for kind in _ITEMS:
-        getattr(lib, f"roundalign_{kind}_many").argtypes = [i64, ptr]
-        getattr(lib, f"roundalign_{kind}_many").restype = None
+        getattr(lib, f"roundalign_{kind}_runs").argtypes = [i64, ptr, ptr, i64]
+        getattr(lib, f"roundalign_{kind}_runs").restype = None
     return lib
 
 
@@ -71,11 +79,11 @@ _ITEMS["sr_fp16"], _ITEMS["ef_fp16"] = _ITEMS["sr_bf16"], _ITEMS["ef_bf16"]  # t
 
 
 def run_many(kind: str, items: list[tuple[int, ...]]) -> None:
-    """Run ``roundalign_<kind>_many`` over work items (one per tensor), balanced over torch's threads.
+    """Run ``roundalign_<kind>_runs`` over work items (one per tensor), balanced over torch's threads.
 
     Items larger than a thread's share are cut into pieces on 32-element boundaries (the bf16 noise layout's groups),
-    each piece's pointers and first element moved along; then each thread takes a contiguous run of pieces, one C
-    call for all of them. A whole state_dict costs one call per thread, not one per tensor.
+    each piece's pointers and first element moved along; then each thread takes a contiguous run of pieces. A whole
+    state_dict costs one C call (one per thread without OpenMP), not one per tensor.
     """
     spec = _ITEMS[kind]
     if not items:
@@ -107,13 +115,15 @@ def run_many(kind: str, items: list[tuple[int, ...]]) -> None:
         runs[-1] += current  # a remainder smaller than a share: the last thread takes it
     elif current:
         runs.append(current)
-    fn = getattr(kernels(), f"roundalign_{kind}_many")
-    arrays = [torch.tensor(run, dtype=torch.int64) for run in runs]  # kept alive until every call returns
-    calls = [(len(run), a.data_ptr()) for run, a in zip(runs, arrays, strict=True)]
-    if len(calls) == 1:
-        fn(*calls[0])
+    lib = kernels()
+    fn = getattr(lib, f"roundalign_{kind}_runs")
+    desc = torch.tensor([piece for run in runs for piece in run], dtype=torch.int64)
+    starts = torch.tensor([0, *itertools.accumulate(len(run) for run in runs)], dtype=torch.int64)
+    stream = int(2 * total >= STREAM_BYTES)  # every served dtype is 2 bytes
+    if len(runs) == 1 or lib.roundalign_sync_threads():
+        fn(len(runs), starts.data_ptr(), desc.data_ptr(), stream)
     else:
-        _in_threads(fn, calls)
+        _in_threads(fn, [(1, starts.data_ptr() + 8 * k, desc.data_ptr(), stream) for k in range(len(runs))])
 
 
 def _in_threads(fn, calls: list[tuple]) -> None:
