@@ -12,7 +12,8 @@ benchmarks/model_step.py), replaces the text between ``<!-- bench:ops -->`` / ``
 Targets (issues 6 and 18): time at most 1.05x stock in eager mode; compiled, the aligned model no slower than
 compiled stock (1.00x); saved-for-backward and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels,
 benchmarks/exact_step.py, ``--exact``) at most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the
-first-use compile time, cold and warm.
+first-use compile time, cold and warm; ``--sync`` (benchmarks/sync_export.py) Fair Cast's export against the RNE cast
+of the same state dict, at most 1.5x.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ EXACT_TARGET = {"rounding": 1.05, "exact": 1.20}
 # Passes reported without a target, and why: a recompute pass's first micro-batch also pays the exact trainer's
 # once-per-weight-change preparation of vLLM's GEMM weights, spread over the pass's many micro-batches.
 UNTARGETED_PASSES = {"first recompute": "once per weight change, no target"}
+SYNC_TARGET = 1.5  # stochastic and error-feedback export, x the RNE cast of the same state dict (issue 18)
 REQUIRED = ("name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_ratio", "peak_ratio")
 
 
@@ -157,6 +159,27 @@ def compile_section(data: dict) -> str:
     return "\n".join(lines)
 
 
+def sync_section(data: dict) -> str:
+    """Fair Cast's export block (benchmarks/sync_export.py): each mode against the RNE cast in the same run, per
+    tensor set, dtype, page state and thread count, with the bytes a second each mode moved."""
+    head = ["tensor set", "dtype", "pages", "threads", "RNE s", "RNE GB/s", "stochastic × RNE", "error-feedback × RNE",
+            "error-feedback GB/s"]  # fmt: skip
+    lines = [machine_line(data.get("machine", {})), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses = checked = 0
+    for r in data["results"].values():
+        cells = []
+        for mode in ("stochastic", "error-feedback"):
+            cell, miss = _ratio(r["ratio"][mode], SYNC_TARGET, False, r["band"][mode])
+            cells.append(cell)
+            misses, checked = misses + miss, checked + 1
+        lines.append("| " + " | ".join([
+            f"{r['set']} ({r['parameters'] / 1e6:.1f}M)", r["dtype"], r["pages"], str(r["threads"]),
+            f"{r['median_s']['rne']:.4f}", f"{r['gb_per_s']['rne']:.1f}", *cells,
+            f"{r['gb_per_s']['error-feedback']:.1f}"]) + " |")  # fmt: skip
+    lines += ["", f"Targets missed: {misses} of {checked} ratios checked."]
+    return "\n".join(lines)
+
+
 def fill(page: str, suite: str, block: str) -> str:
     """Replace what lies between the suite's markers in ``page`` with ``block``."""
     start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
@@ -174,10 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", metavar="JSON", help="benchmarks/model_step.py --json output")
     ap.add_argument("--exact", metavar="JSON", help="benchmarks/exact_step.py --json output")
     ap.add_argument("--compile-time", metavar="JSON", help="benchmarks/compile_time.py --json output")
+    ap.add_argument("--sync", metavar="JSON", help="benchmarks/sync_export.py --json output")
     ap.add_argument("--out", default="docs/benchmarks.md", help="the page with the markers (default %(default)s)")
     args = ap.parse_args(argv)
-    if not (args.ops or args.model or args.exact or args.compile_time):
-        ap.error("give at least one of --ops, --model, --exact, --compile-time")
+    if not (args.ops or args.model or args.exact or args.compile_time or args.sync):
+        ap.error("give at least one of --ops, --model, --exact, --compile-time, --sync")
     out = Path(args.out)
     if not out.is_file():
         ap.error(f"--out {out} does not exist; it must be the page holding the bench markers")
@@ -191,11 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         raw_dir.mkdir(parents=True, exist_ok=True)
         (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
     for suite, path, render in (("exact", args.exact, exact_section), ("compile_time", args.compile_time,
-                                                                        compile_section)):  # fmt: skip
+                                compile_section), ("sync", args.sync, sync_section)):  # fmt: skip
         if not path:
             continue
         data = json.loads(Path(path).read_text())
-        if data.get("suite") != suite or (suite == "exact" and not data.get("results")):
+        if data.get("suite") != suite or (suite in ("exact", "sync") and not data.get("results")):
             raise ValueError(f"{path}: expected a {suite!r} suite JSON with results")
         page = fill(page, suite, render(data))
         raw_dir.mkdir(parents=True, exist_ok=True)
