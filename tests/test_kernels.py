@@ -300,3 +300,38 @@ def test_engine_gemm_backward_and_its_prepared_copy(monkeypatch):
     assert torch.equal(after, F.linear(x, module.q.weight))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.backward(live, grads)
+
+
+def test_engine_attention_lets_go_of_hfs_mask_with_its_backward(monkeypatch):
+    """HF's (batch, 1, tokens, tokens) mask is freed once the backward has used it, although the graph (held by the
+    loss) lives on, as stock HF's SDPA frees its copy: a padded batch's peak memory is stock's. A graph kept for a
+    second backward (retain_graph) keeps the mask and gives the same gradients again."""
+    import weakref
+
+    model = roundalign.apply(load_model(models.path()), EXACT).train()
+    masks = []
+    seen = kernels._sequences_of
+    monkeypatch.setattr(kernels, "_sequences_of", lambda mask, *a: masks.append(weakref.ref(mask)) or seen(mask, *a))
+    ids = torch.randint(1, 264, (2, 12), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 8:] = 0  # right padding: HF builds a 4-D mask
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def loss():
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return (logits.float().log_softmax(-1)[..., 3] * attention_mask).sum()
+
+    retained = loss()
+    retained.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    assert masks and all(m() is not None for m in masks)  # kept for the second backward
+    model.zero_grad(set_to_none=True)
+    retained.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), first, strict=True))
+    masks.clear()
+    model.zero_grad(set_to_none=True)
+    out = loss()
+    assert masks and masks[0]() is not None and masks[0]().dim() == 4
+    out.backward()
+    assert all(m() is None for m in masks), "the mask outlived the backward"
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), first, strict=True))

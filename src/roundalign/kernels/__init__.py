@@ -26,6 +26,8 @@ Gradient checkpointing recomputes the engine forward, which is deterministic.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -81,24 +83,32 @@ def _no_autocast(t: torch.Tensor):
 
 
 class _EngineAttention(torch.autograd.Function):
-    """Forward: ``run(q, k, v)`` (an engine kernel). Backward: the gradient of ``standard(q, k, v)``, recomputed."""
+    """Forward: ``run(q, k, v)`` (an engine kernel). Backward: the gradient of ``standard(q, k, v, mask)``,
+    recomputed.
+
+    The mask (HF's, or None) is saved with q, k and v, not held by ``standard``: saved tensors are released when the
+    backward has used them (unless it retains the graph), while a node's other attributes live as long as the graph,
+    past the backward's end, where stock HF holds no mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, run, standard):
-        ctx.standard = standard
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, mask, run, standard):
+        ctx.standard, ctx.has_mask = standard, mask is not None
+        ctx.save_for_backward(q, k, v, *((mask,) if ctx.has_mask else ()))
         with _no_autocast(q):
             return run(q, k, v)
 
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
+        mask = saved[3] if ctx.has_mask else None
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[:3], strict=True)]
-            out = ctx.standard(*inputs)
+            inputs = [
+                t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3], strict=True)
+            ]
+            out = ctx.standard(*inputs, mask)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float) -> torch.Tensor:
@@ -130,17 +140,29 @@ def _packed_kernel(kernel: AttentionKernel):
     return _reference
 
 
-_SEQUENCES: list = []  # (attention_mask, position_ids, shape, Sequences) of the forward in progress
+# The forward in progress: (mask, position_ids, shape, Sequences), the tensors held by weak reference. A strong one
+# would keep HF's (batch, 1, tokens, tokens) mask alive after the forward, into the backward's peak, which stock
+# HF does not hold then.
+_SEQUENCES: list = []
+
+
+def _ref(t):
+    return None if t is None else weakref.ref(t)
+
+
+def _same(ref, t) -> bool:
+    """Whether ``ref`` (``_ref``'s) is to ``t`` itself; a freed tensor is no longer anything."""
+    return t is None if ref is None else t is not None and ref() is t
 
 
 def _sequences_of(attention_mask, position_ids, batch: int, width: int) -> _batch.Sequences:
     """``batch.sequences``, once per forward: every layer gets the same mask and position tensors."""
     if _SEQUENCES:
         mask, pos, shape, seqs = _SEQUENCES[0]
-        if mask is attention_mask and pos is position_ids and shape == (batch, width):
+        if _same(mask, attention_mask) and _same(pos, position_ids) and shape == (batch, width):
             return seqs
     seqs = _batch.sequences(attention_mask, position_ids, batch, width)
-    _SEQUENCES[:] = [(attention_mask, position_ids, (batch, width), seqs)]
+    _SEQUENCES[:] = [(_ref(attention_mask), _ref(position_ids), (batch, width), seqs)]
     return seqs
 
 
@@ -168,10 +190,10 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         q, k, v = (seqs.pack(t.transpose(1, 2)) for t in (q, k, v))  # (tokens, heads, head_dim)
         return seqs.unpack(packed(q, k, v, seqs.lengths, scale), b)
 
-    def standard(q, k, v):
-        return sdpa_attention_forward(module, q, k, v, attention_mask, dropout=0.0, scaling=scale, **kwargs)[0]
+    def standard(q, k, v, mask):
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scale, **kwargs)[0]
 
-    return _EngineAttention.apply(query, key, value, run, standard), None
+    return _EngineAttention.apply(query, key, value, attention_mask, run, standard), None
 
 
 # --------------------------------------------------------------------------------------------------------------
