@@ -161,3 +161,42 @@ def test_swiglu_as_the_graph_output_leaves_the_callers_gradient_alone():
         results.append([leaf.grad for leaf in leaves])
     for mine, eager in zip(results[1], results[0], strict=True):
         assert_bitwise_equal(mine, eager, "compiled gradient")
+
+
+@pytest.mark.parametrize("rounding", [r.value for r in RopeRounding])
+def test_rope_cos_and_sin_are_recomputed_in_the_backward_as_stocks_are(rounding):
+    # cos and sin computed in the graph from the positions and rounded to bf16, as HF's rotary embedding does: the
+    # compiled backward recomputes them rather than saving them, for stock's RoPE and for ours (whose backward reads
+    # them through roundalign::widen_saved, which AOTAutograd's partitioner must count as pointwise for that).
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+
+    def stock(x, cos, sin):
+        return x * cos + torch.cat([-x[..., 32:], x[..., :32]], -1) * sin
+
+    def ours(x, cos, sin):
+        return ops.rope(x, cos, sin, rounding, BF16)
+
+    def fn(q, positions, rope):
+        emb = torch.cat([positions[:, :, None].float() * inv_freq] * 2, -1)
+        cos, sin = emb.cos().to(BF16).unsqueeze(1), emb.sin().to(BF16).unsqueeze(1)
+        return rope((q * 1.1).transpose(1, 2), cos, sin) * 1.3
+
+    def saved_bytes(rope) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        torch._dynamo.reset()
+        q = _values((2, 40, 3, 64), 11).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.compile(lambda q, p: fn(q, p, rope), fullgraph=True)(q, torch.arange(40).expand(2, 40))
+        out.float().sum().backward()
+        return total
+
+    cos_and_sin = 2 * 2 * 40 * 64 * 2  # what saving them would cost
+    mine, theirs = saved_bytes(ours), saved_bytes(stock)
+    assert mine < theirs + cos_and_sin // 2, (mine, theirs)
+    _check(lambda q, p: fn(q, p, ours), (_values((2, 40, 3, 64), 12), torch.arange(40).expand(2, 40)), "rope+cos")

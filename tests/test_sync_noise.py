@@ -157,17 +157,19 @@ def _every_mode(x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("flag", ["-mno-f16c", "-mno-avx512f"])
+@pytest.mark.parametrize("flag", ["-mno-f16c", "-mno-avx512f", "-mno-avx"])
 def test_kernels_built_for_older_x86_serve_the_same_bits(flag, dtype, monkeypatch, tmp_path):
     # The kernels adapt to the CPU they are built for: fp16's conversions use F16C where it is there (else integer
-    # RNE), and AVX-512's 32 registers take 8 Threefry chains (else 4). Builds without either serve the same bits,
-    # specials and fp16's values below 2^-17 included.
+    # RNE), and AVX-512's 32 registers take 8 Threefry chains (else 4); without AVX the vectors are SSE's. Builds
+    # without them serve the same bits, specials, weight-like runs and fp16's values below 2^-17 included, with the
+    # served copy streamed past the cache.
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("F16C and AVX-512 are x86 extensions: this machine builds only the portable code")
     _kernels()
-    x = _specials(3 * _native._MIN_SPLIT + 13, 3)
+    x = torch.cat([_specials(3 * _native._MIN_SPLIT + 13, 3), _weight_like(2 * _native._MIN_SPLIT, 3)])
+    monkeypatch.setattr(_native, "STREAM_BYTES", 0)
     native = _every_mode(x, dtype)
     monkeypatch.setenv("ROUNDALIGN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_native, "_FLAGS", [*_native._FLAGS, flag])
