@@ -327,6 +327,14 @@ static inline uint32_t bf16_rne(uint32_t u) {
 /* Error feedback: v = fl32(master + residual) (or master when fresh), served = RNE(v), residual = v - served (exact:
  * Sterbenz). Where v or the served value is not finite, no finite residual carries the difference: the residual
  * restarts at +0. fresh and fp16 are constants at each call below, so each instantiation is one branch-free loop. */
+static inline v8f32 ef_sum8(const float *master, const float *residual, int fresh) { /* v, 8 at a time */
+    v8f32 v, w;
+    memcpy(&v, master, sizeof v);
+    if (fresh) return v;
+    memcpy(&w, residual, sizeof w);
+    return v + w; /* EF's one rounding of the sum (fp32) */
+}
+
 static inline __attribute__((always_inline)) void ef(const float *restrict master, float *restrict residual,
                                                      uint16_t *restrict out, int64_t n, int fresh, int fp16, int stream) {
     uint32_t *r = (uint32_t *)residual;
@@ -334,13 +342,7 @@ static inline __attribute__((always_inline)) void ef(const float *restrict maste
 #ifdef __F16C__
     if (fp16) /* 8 at a time with F16C's conversions both ways; the scalar loop below does the rest, the same bits */
         for (; i + 8 <= n; i += 8) {
-            v8f32 v;
-            memcpy(&v, master + i, sizeof v);
-            if (!fresh) {
-                v8f32 w;
-                memcpy(&w, residual + i, sizeof w);
-                v = v + w; /* EF's one rounding of the sum (fp32) */
-            }
+            v8f32 v = ef_sum8(master + i, residual + i, fresh);
             __m128i s = _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT); /* the rounding point */
             v8f32 served = (v8f32)_mm256_cvtph_ps(s);
             v8u16 h;
@@ -354,13 +356,7 @@ static inline __attribute__((always_inline)) void ef(const float *restrict maste
 #endif
     if (!fp16) /* bf16_rne below, 8 at a time */
         for (; i + 8 <= n; i += 8) {
-            v8f32 v;
-            memcpy(&v, master + i, sizeof v);
-            if (!fresh) {
-                v8f32 w;
-                memcpy(&w, residual + i, sizeof w);
-                v = v + w; /* EF's one rounding of the sum (fp32) */
-            }
+            v8f32 v = ef_sum8(master + i, residual + i, fresh);
             v8u32 u = (v8u32)v, nan = (v8u32)((u & 0x7FFFFFFFu) > 0x7F800000u);
             v8u32 s = (((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) | nan) & 0xFFFFu; /* the rounding point */
             store8(out + i, s, stream);
