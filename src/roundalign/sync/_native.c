@@ -136,6 +136,7 @@ static void sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, int64
     for (i += 32 * U * rounds; i < n; i++) sr_one(bits + i, out + i, first + i, k0, k1, c1); /* the tail */
 }
 
+/* One tensor, through the cache: what tests/test_sync_noise.py checks against the documented stream. */
 void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
                         uint32_t k1, uint32_t c1) {
     sr_bf16(bits, out, n, first, k0, k1, c1, 0);
@@ -282,7 +283,7 @@ static void sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64
     uint32_t base = (uint32_t)(8 * ((first + (uint64_t)i) >> 5));
     for (int64_t q = 0; q < rounds; q++) { /* U groups of 32 elements: 8 * U blocks, bf16's layout */
         v8u32 c0[U], x0[U], x1[U];
-        int redo = 0; /* values 0 < |x| < 2^-17 in this round */
+        int small_seen = 0; /* values 0 < |x| < 2^-17 in this round */
         for (int u = 0; u < U; u++) c0[u] = lanes + (base + 8 * (uint32_t)(U * q + u));
         vthreefry(k0, k1, c0, c1, x0, x1);
         for (int u = 0; u < U; u++) {
@@ -296,12 +297,12 @@ static void sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64
                 v8u32 t = (v + (parts[p] & grid)) & ~grid; /* the rounding point: add noise, truncate */
                 if (__builtin_expect(any8((v8u32)(((v & abs) - normal) > span)), 0)) {
                     t = sr_fp16_grid8(v, parts[p]);
-                    redo |= any8((v8u32)(((v - one) & abs) < small)); /* 0 < |x| < 2^-17 */
+                    small_seen |= any8((v8u32)(((v - one) & abs) < small)); /* 0 < |x| < 2^-17 */
                 }
                 store8_fp16(o + 8 * p, t, stream);
             }
         }
-        if (redo) /* rare: values 0 < |x| < 2^-17 in this round, redone with their whole word */
+        if (small_seen) /* rare: values 0 < |x| < 2^-17 in this round, redone with their whole word */
             for (int64_t j = i + 32 * U * q; j < i + 32 * U * (q + 1); j += 8) {
                 v8u32 redo = (v8u32)(((load8(bits + j) - one) & abs) < small);
                 if (any8(redo))
@@ -310,11 +311,6 @@ static void sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64
             }
     }
     for (i += 32 * U * rounds; i < n; i++) out[i] = sr_fp16_scalar(bits[i], first + i, k0, k1, c1); /* the tail */
-}
-
-void roundalign_sr_fp16(const uint32_t *restrict bits, uint16_t *restrict out, int64_t n, uint64_t first, uint32_t k0,
-                        uint32_t k1, uint32_t c1) {
-    sr_fp16(bits, out, n, first, k0, k1, c1, 0);
 }
 
 /* RNE fp32 bits -> bf16 bits: add 0x7FFF plus the kept part's lowest bit, truncate; NaN as torch's vectorised CPU
@@ -374,16 +370,6 @@ static inline __attribute__((always_inline)) void ef(const float *restrict maste
         out[i] = (uint16_t)s;
         r[i] = as_bits(v - served) & keep; /* residual = v - served, exact; else +0 */
     }
-}
-
-void roundalign_ef_bf16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef(master, residual, out, n, 1, 0, 0);
-    else ef(master, residual, out, n, 0, 0, 0);
-}
-
-void roundalign_ef_fp16(const float *master, float *residual, uint16_t *out, int64_t n, int fresh) {
-    if (fresh) ef(master, residual, out, n, 1, 1, 0);
-    else ef(master, residual, out, n, 0, 1, 0);
 }
 
 /* Many tensors in one call (Exporter.export: a whole state_dict, no per-tensor Python). desc holds count rows of
