@@ -131,22 +131,23 @@ def bench_set(name: str, master: dict[str, torch.Tensor], dtype: str, pages: str
             track.append(time.perf_counter() - start)
         del served, tracker
     del exporters
-    rne = statistics.median(times["rne"])
+    medians = {mode: statistics.median(times[mode]) for mode in MODES}
+    rne = medians["rne"]
+    ratio = {mode: medians[mode] / rne for mode in MODES}
+    gb_per_s = {mode: BYTES[mode] * numel / medians[mode] / 1e9 for mode in MODES}
     print(f"{'mode':<16}{'median s':>10}{'min s':>10}{'vs rne':>8}{'Mparam/s':>10}{'GB/s':>7}")
     for mode in MODES:
-        med = statistics.median(times[mode])
-        rate = f"{numel / med / 1e6:>10.0f}{BYTES[mode] * numel / med / 1e9:>7.1f}"
-        print(f"{mode:<16}{med:>10.4f}{min(times[mode]):>10.4f}{med / rne:>7.2f}x{rate}")
+        med = medians[mode]
+        print(f"{mode:<16}{med:>10.4f}{min(times[mode]):>10.4f}{ratio[mode]:>7.2f}x{numel / med / 1e6:>10.0f}"
+              f"{gb_per_s[mode]:>7.1f}")  # fmt: skip
     if track:
         med = statistics.median(track)
         print(f"{'tracker.update':<16}{med:>10.4f}{min(track):>10.4f}{med / rne:>7.2f}x{numel / med / 1e6:>10.0f}")
-    medians = {mode: statistics.median(times[mode]) for mode in MODES}
     return {
         "set": name, "dtype": dtype, "pages": pages, "threads": torch.get_num_threads(), "parameters": numel,
-        "tensors": len(master), "export_s": times, "tracker_update_s": track, "median_s": medians,
-        "ratio": {mode: medians[mode] / rne for mode in MODES},
+        "tensors": len(master), "export_s": times, "tracker_update_s": track, "median_s": medians, "ratio": ratio,
         "band": {mode: ratio_band(times[mode], times["rne"]) for mode in MODES},  # quartiles of per-round ratios
-        "gb_per_s": {mode: BYTES[mode] * numel / medians[mode] / 1e9 for mode in MODES},
+        "gb_per_s": gb_per_s,
     }  # fmt: skip
 
 
