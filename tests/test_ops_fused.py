@@ -16,8 +16,8 @@ import torch
 import roundalign
 from helpers import assert_bitwise_equal
 from models import build, loss_and_grads, token_ids
-from roundalign import ops
-from roundalign.ops import _fused
+from roundalign import compile_key, ops
+from roundalign.ops import _fused, rms_norm
 from roundalign.ops.rms_norm import _rms_norm_compiled_op
 from roundalign.ops.rope import _rope_compiled_op
 
@@ -115,7 +115,14 @@ def test_the_environment_turns_the_default_off(monkeypatch):
     assert all(m._roundalign_compile_ops for m in model.modules() if hasattr(type(m), "_roundalign_compile_ops"))
 
 
-def test_the_disk_cache_key_follows_roundalign_sources(monkeypatch, tmp_path):
+@pytest.fixture
+def no_cache_key_tag():
+    """torch.compile's cache key tag as a fresh process has it (ours added at import), restored afterwards."""
+    with torch.compiler.config.patch(cache_key_tag=""):
+        yield
+
+
+def test_the_disk_cache_key_follows_roundalign_sources(monkeypatch, tmp_path, no_cache_key_tag):
     """A second build of one kernel loads it from Inductor's cache; with other sources (another SOURCE_KEY) it
     compiles anew instead of reusing the stale one."""
     from torch._dynamo.utils import counters
@@ -133,8 +140,47 @@ def test_the_disk_cache_key_follows_roundalign_sources(monkeypatch, tmp_path):
 
     assert build_once() == (0, 1)
     assert build_once() == (1, 0)
-    monkeypatch.setattr(_fused, "SOURCE_KEY", "0" * 16)
+    monkeypatch.setattr(compile_key, "SOURCE_KEY", "0" * 16)
     assert build_once() == (0, 1)
+
+
+def test_a_compiled_graph_that_calls_our_ops_is_keyed_on_their_sources(monkeypatch, tmp_path, no_cache_key_tag):
+    """torch.compile of code that calls an op (as model.compile() of an aligned model does): a second compile loads
+    the graph from Inductor's cache, and after a change of roundalign's sources (another SOURCE_KEY) it compiles
+    anew, since the cache key alone does not see an op's backward, fake kernel or lowering."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, w = torch.randn(4, 64).to(BF16), torch.randn(64).to(BF16)
+
+    def loss(x, w):
+        return rms_norm(x * 2, w, 1e-6, "round_after_weight").float().square().sum()
+
+    def compile_once():
+        counters.clear()
+        torch._dynamo.reset()
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.compile(loss)(xx, ww).backward()
+        assert torch.equal(ww.grad, grad_ref)
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    ww = w.clone().requires_grad_()
+    loss(x, ww).backward()
+    grad_ref = ww.grad
+    assert compile_once() == (0, 2)  # forward and backward graphs
+    assert compile_once() == (2, 0)
+    monkeypatch.setattr(compile_key, "SOURCE_KEY", "0" * 16)
+    assert compile_once() == (0, 2)
+
+
+def test_the_cache_key_tag_keeps_the_users_and_holds_one_source_key(monkeypatch, no_cache_key_tag):
+    torch.compiler.config.cache_key_tag = "my-run"
+    compile_key.key_compiles()
+    compile_key.key_compiles()
+    assert torch.compiler.config.cache_key_tag == f"my-run-roundalign-{compile_key.SOURCE_KEY}"
+    monkeypatch.setattr(compile_key, "SOURCE_KEY", "0" * 16)
+    compile_key.key_compiles()
+    assert torch.compiler.config.cache_key_tag == "my-run-roundalign-0000000000000000"
 
 
 def test_source_key_changes_with_a_source(tmp_path):
@@ -142,6 +188,19 @@ def test_source_key_changes_with_a_source(tmp_path):
     for name in ("a.py", "b.py"):
         (tmp_path / name).write_text(f"# {name}\n")
         files.append(tmp_path / name)
-    before = _fused.source_key(files)
+    before = compile_key.source_key(files)
     files[1].write_text("# b.py, edited\n")
-    assert _fused.source_key(files) != before
+    assert compile_key.source_key(files) != before
+
+
+def test_the_source_key_covers_every_module_that_registers_an_op():
+    """Every roundalign module that defines a torch.library op (or its fake, backward or lowering) is hashed."""
+    import re
+    from pathlib import Path
+
+    root = Path(roundalign.__file__).parent
+    registering = {
+        p for p in root.rglob("*.py") if re.search(r"torch\.library\.(custom_op|Library|register_fake)", p.read_text())
+    }
+    assert registering
+    assert registering <= set(compile_key.sources())

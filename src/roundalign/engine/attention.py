@@ -36,6 +36,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from roundalign import compile_key
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -246,6 +248,9 @@ def current_step() -> Step:
     if not _CONTEXT:
         raise RuntimeError("the engine's opaque ops run inside an engine forward only (no forward context)")
     return _CONTEXT[-1]
+
+
+compile_key.key_compiles()  # graphs that call the op below: keyed on its sources
 
 
 @torch.library.custom_op("roundalign::unified_attention", mutates_args=())

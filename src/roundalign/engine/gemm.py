@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from roundalign import compile_key
 from roundalign.engine.attention import current_step, own_rows
 
 
@@ -35,6 +36,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
 def logits(hidden: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
     """The lm_head over ``hidden``, one call per ``(seq, first row, first position, rows)`` in ``groups``."""
     return linear(hidden, weight, None, [(start, n) for _, start, _, n in groups])
+
+
+compile_key.key_compiles()  # graphs that call the op below: keyed on its sources
 
 
 @torch.library.custom_op("roundalign::linear", mutates_args=())

@@ -35,6 +35,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from roundalign import compile_key
 from roundalign.errors import UserError
 from roundalign.kernels import batch as _batch
 from roundalign.kernels import vllm_cpu
@@ -49,6 +50,9 @@ INDUCTOR_OPTIONS = {
     "cpp.dynamic_threads": True,
 }
 FAMILIES = ("qwen3",)
+
+
+compile_key.key_compiles()  # graphs that call the op below: keyed on its sources
 
 
 @torch.library.custom_op("roundalign::vllm_cpu_attention", mutates_args=())

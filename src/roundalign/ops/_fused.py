@@ -23,9 +23,9 @@ A size-0 input runs the eager formula.
 
 **The disk cache** is Inductor's FX graph cache (``TORCHINDUCTOR_CACHE_DIR``), so a second process loads each kernel
 instead of compiling it. Its key covers the traced graph, torch and the Inductor config, but not the Python of the
-opaque ops a graph calls, nor their fake kernels; so every compile also carries ``SOURCE_KEY``, a hash of this
-package's op and formula sources, as a custom graph pass's ``uuid``: an upgraded roundalign never reuses an older
-graph.
+opaque ops a graph calls, nor their fake kernels; ``roundalign.compile_key`` adds a hash of those sources to
+torch.compile's cache key tag (for every graph, a whole compiled model's too), so an upgraded roundalign never
+reuses an older graph.
 
 **When no compiler is at hand** (no C++ compiler on the CPU, no Triton on a GPU), or a compile fails, the op runs
 its eager formula: the same bits, slower, with one warning that says why.
@@ -33,52 +33,21 @@ its eager formula: the same bits, slower, with one warning that says why.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from roundalign import compile_key
 
 log = logging.getLogger(__name__)
 
 ENV = "ROUNDALIGN_COMPILE_OPS"  # "0" runs the eager ops everywhere (apply's default); "1" insists on fused ones
 
 
-def _sources() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return sorted(here.glob("*.py")) + [
-        here.parent / "numerics" / "formulas.py",
-        here.parent / "numerics" / "dtypes.py",
-    ]
-
-
-def source_key(files) -> str:
-    """A short hash of ``files``' names and bytes."""
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(Path(path).name.encode())
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-SOURCE_KEY = source_key(_sources())  # roundalign's op and formula sources: part of every fused kernel's cache key
-
-
-class _SourceKeyPass(CustomGraphPass):
-    """A graph pass that changes nothing; its ``uuid`` puts ``SOURCE_KEY`` into Inductor's cache key."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
-
-    def uuid(self) -> str:
-        return f"roundalign-ops-{SOURCE_KEY}"
-
-
-_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": _SourceKeyPass()}
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 # --- can this process compile? -----------------------------------------------------------------------------------
 
@@ -195,6 +164,7 @@ class Kernels:
             return self.fn(*tensors, *consts)
 
         examples = [_example(sig, t) for sig, t in zip(key[2], canon, strict=True)]
+        compile_key.key_compiles()
         try:
             with (
                 torch._inductor.config.patch(_INDUCTOR_OPTIONS),

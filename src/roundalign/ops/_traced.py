@@ -50,10 +50,12 @@ import functools
 
 import torch
 
+from roundalign import compile_key
 from roundalign.numerics.dtypes import LOW_PRECISION, compute_dtype
 from roundalign.numerics.formulas import EAGER, Eager, rstd_aten
 from roundalign.ops import _aten, _cascade
 
+compile_key.key_compiles()  # graphs that call these ops: keyed on their sources (roundalign/compile_key.py)
 _lib = torch.library.Library("roundalign", "FRAGMENT")  # plain dispatcher ops: a fraction of custom_op's call cost
 # Tagged pointwise: AOTAutograd's partitioner may then recompute them in the backward from the saved 16-bit tensors
 # rather than save their fp32 results (twice the bytes), as it does for stock casts.
@@ -163,6 +165,7 @@ _registered = False
 def _register_lowerings() -> None:
     """Inductor lowerings for the two rounding primitives (once, on first use in a traced graph)."""
     global _registered
+    compile_key.key_compiles()  # again at trace time: the user may have set torch's cache key tag since the import
     if _registered:
         return
     from torch._inductor import lowering as L
