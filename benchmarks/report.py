@@ -9,11 +9,13 @@ benchmarks/model_step.py), replaces the text between ``<!-- bench:ops -->`` / ``
 ``<!-- bench:model -->`` / ``<!-- /bench:model -->`` in ``--out``, and keeps the raw JSON beside the page
 (docs/benchmarks/ops.json and model.json for docs/benchmarks.md). Either suite may be left out; its table stays.
 
-Targets (issues 6 and 18): time at most 1.05x stock in eager mode; compiled, the aligned model no slower than
-compiled stock (1.00x); saved-for-backward and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels,
-benchmarks/exact_step.py, ``--exact``) at most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the
-first-use compile time, cold and warm; ``--sync`` (benchmarks/sync_export.py) Fair Cast's export against the RNE cast
-of the same state dict, at most 1.5x.
+Targets (issues 6 and 18): time at most 1.05x stock in eager mode (1.10x for the whole tiny-qwen3, whose 256-wide
+ops are mostly call overhead); compiled, the aligned model no slower than compiled stock (1.00x); saved-for-backward
+and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels, benchmarks/exact_step.py, ``--exact``) at
+most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the first-use compile time, cold and warm; ``--sync``
+(benchmarks/sync_export.py) Fair Cast's export against the RNE cast of the same state dict, at most 1.5x. The targets
+are the default ``apply``'s: the opt-out variant (``aligned+eager_ops``, ``compile_ops=False``) is shown beside it
+without one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import json
 from pathlib import Path
 
 TIME_TARGET = {"eager": 1.05, "compiled": 1.00}
+MODEL_TIME_TARGET = {("tiny-qwen3", "eager"): 1.10}  # issue 18: a whole model's step where it differs from the above
+# Variants shown for comparison without a target, and why.
+UNTARGETED_VARIANTS = {"aligned+eager_ops": "opt-out, no target"}
 MEMORY_TARGET = 1.00
 EXACT_TARGET = {"rounding": 1.05, "exact": 1.20}
 # Passes reported without a target, and why: a recompute pass's first micro-batch also pays the exact trainer's
@@ -89,10 +94,18 @@ def table(rows: list[dict]) -> tuple[list[str], int, int]:
     misses = checked = 0
     for r in rows:
         stock = r["variant"] == "stock"
+        untargeted = UNTARGETED_VARIANTS.get(r["variant"])
         cells = []
-        checks = ((r["time_ratio"], TIME_TARGET[r["mode"]], r.get("time_band")),
+        time_target = TIME_TARGET[r["mode"]]
+        if "model" not in r:  # the model suite's rows (an op row names its op, and its model in "model")
+            time_target = MODEL_TIME_TARGET.get((r["name"], r["mode"]), time_target)
+        checks = ((r["time_ratio"], time_target, r.get("time_band")),
                   (r["saved_ratio"], MEMORY_TARGET, None), (r["peak_ratio"], MEMORY_TARGET, None))  # fmt: skip
         for ratio, target, spread in checks:
+            if untargeted and ratio is not None:
+                band = f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else ""
+                cells.append(f"{ratio:.3f}{band} ({untargeted})")
+                continue
             text, miss = _ratio(ratio, target, stock, spread)
             cells.append(text)
             misses += miss

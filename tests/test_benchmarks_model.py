@@ -124,6 +124,23 @@ def test_report_marks_misses_against_each_target():
     assert (misses, checked) == (2, 5) and "1.040 [1.01-1.08] (≤ 1.00) **miss**" in lines[3]
 
 
+def test_report_holds_the_whole_tiny_model_to_its_own_eager_target_and_the_opt_out_to_none():
+    def row(name, variant, mode, ratio, band):
+        return {"name": name, "variant": variant, "mode": mode, "pass": "train step", "shape": "1x8",
+                "time_ms": 10 * ratio, "time_ratio": ratio, "time_band": band, "saved_bytes": 100,
+                "saved_ratio": 1.01, "peak_bytes": 200, "peak_ratio": 1.02}  # fmt: skip
+
+    lines, misses, checked = report.table([row("tiny-qwen3", "aligned", "eager", 1.08, [1.07, 1.09])])
+    assert "1.080 [1.07-1.09] (≤ 1.10) |" in lines[2] and (misses, checked) == (2, 3)  # saved and peak miss
+    lines, misses, checked = report.table([row("qwen3-0.6b-2l-v4k", "aligned", "eager", 1.08, [1.07, 1.09])])
+    assert "1.080 [1.07-1.09] (≤ 1.05) **miss**" in lines[2] and (misses, checked) == (3, 3)
+    op_row = {**row("rms_norm", "aligned", "eager", 1.08, [1.07, 1.09]), "model": "tiny-qwen3"}
+    assert "(≤ 1.05) **miss**" in report.table([op_row])[0][2]  # an op's row keeps the per-op target
+    lines, misses, checked = report.table([row("tiny-qwen3", "aligned+eager_ops", "eager", 1.3, [1.2, 1.4])])
+    assert "1.300 [1.20-1.40] (opt-out, no target)" in lines[2] and "1.010 (opt-out, no target)" in lines[2]
+    assert (misses, checked) == (0, 0)
+
+
 def test_exact_report_checks_targeted_passes_and_shows_the_first_recompute_without_a_target():
     def row(variant, pass_, ratio, band=None, peak=None):
         return {"name": "m", "shape": "2x8", "pass": pass_, "variant": variant, "profile": "p", "time_ms": 10 * ratio,
