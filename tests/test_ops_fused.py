@@ -181,6 +181,9 @@ def test_the_cache_key_tag_keeps_the_users_and_holds_one_source_key(monkeypatch,
     monkeypatch.setattr(compile_key, "SOURCE_KEY", "0" * 16)
     compile_key.key_compiles()
     assert torch.compiler.config.cache_key_tag == "my-run-roundalign-0000000000000000"
+    torch.compiler.config.cache_key_tag = "roundalign-nightly"  # a user's tag that merely starts like ours
+    compile_key.key_compiles()
+    assert torch.compiler.config.cache_key_tag == "roundalign-nightly-roundalign-0000000000000000"
 
 
 def test_source_key_changes_with_a_source(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-_TAG = re.compile(r"roundalign-[0-9a-z]+")
+_TAG = re.compile(r"roundalign-[0-9a-f]{16}")  # ours: SOURCE_KEY is 16 hex digits
 
 
 def sources() -> list[Path]:
