@@ -277,6 +277,38 @@ def test_ray_workers_get_the_variables_and_run_the_setup_hook():
     assert got == "('vllm', '1', '2', 'vllm', 'roundalign.integrations.verl.hooks')"
 
 
+def test_install_turns_hub_kernels_off_and_uninstall_restores_the_variable(monkeypatch):
+    """verl builds the actor on the meta device on every rank but the first; transformers >= 5.25 kernelizes in
+    from_pretrained by default, and the kernels library refuses a meta-device model. The hooks set transformers' own
+    switch while installed."""
+    require_verl()
+    import accelerate
+
+    import roundalign.integrations.verl as rv
+
+    monkeypatch.setenv("USE_HUB_KERNELS", "no")
+    rv.uninstall()
+    try:
+        rv.install(profile="vllm")
+        assert os.environ["USE_HUB_KERNELS"] == "0"
+        with accelerate.init_empty_weights():  # what verl's get_init_weight_context_manager does off rank 0
+            model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert not model.use_kernels
+    finally:
+        rv.uninstall()
+    assert os.environ["USE_HUB_KERNELS"] == "no"
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    rv.install()
+    rv.uninstall()
+    assert "USE_HUB_KERNELS" not in os.environ
+    monkeypatch.setenv("USE_HUB_KERNELS", "1")
+    with pytest.warns(UserWarning, match="USE_HUB_KERNELS='1'.*set it to 0"):
+        rv.install()
+    rv.uninstall()
+    assert os.environ["USE_HUB_KERNELS"] == "1"
+
+
 # ---- verl's real FSDPEngine on 2 gloo ranks -------------------------------------------------------------------------
 
 

@@ -224,6 +224,20 @@ def test_an_instance_level_forward_is_refused_before_anything_is_patched():
     assert all(not hasattr(type(m), "_roundalign_hf_class") for m in model.modules())  # nothing half-patched
 
 
+def test_a_module_kernelized_from_the_hub_is_refused_with_the_switch_that_prevents_it():
+    """transformers >= 5.25 kernelizes in from_pretrained by default: the kernels library binds the Hub kernel's
+    forward on the instance and records its repository (kernels' _replace_forward); on a GPU RMSNorm becomes Liger's."""
+    from types import MethodType
+
+    model = build("qwen3")
+    norm = model.model.layers[0].input_layernorm
+    norm.forward = MethodType(type(norm).forward, norm)  # what kernels' _replace_forward does
+    norm.__dict__["_kernel_repo"] = "kernels-community/liger-kernels"
+    with pytest.raises(RuntimeError, match=r"layers\.0\.input_layernorm.*use_kernels=False.*USE_HUB_KERNELS=0"):
+        roundalign.apply(model, "vllm")
+    assert roundalign.patched_profile(model) is None
+
+
 def test_a_family_whose_transformers_classes_were_replaced_is_refused():
     from roundalign.patch.registry import define_family
 

@@ -161,6 +161,16 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
     hits = [(name, module, family.aligned_for(module)) for name, module in model.named_modules()]
     hits = [(name, module, hit) for name, module, hit in hits if hit is not None]
     shadowed = [name for name, module, _ in hits if "forward" in vars(module)]
+    hub = [name for name, module, _ in hits if "_kernel_repo" in vars(module)]
+    if hub:
+        # The kernels library's _replace_forward binds the Hub kernel's forward on the instance and records the
+        # repository it came from in _kernel_repo; transformers >= 5.25 does this in from_pretrained by default.
+        raise RuntimeError(
+            f"roundalign cannot patch {', '.join(hub[:4])}{' ...' if len(hub) > 4 else ''}: transformers replaced "
+            "their forward with kernels from the Hub (from_pretrained's use_kernels, on by default since "
+            "transformers 5.25), and that forward would shadow the aligned one. Load the model with "
+            "use_kernels=False, or set USE_HUB_KERNELS=0 before loading."
+        )
     if shadowed:
         # An instance attribute shadows the class: after the swap these modules would keep their old numerics.
         raise RuntimeError(

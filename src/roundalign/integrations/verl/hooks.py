@@ -15,12 +15,18 @@ silently running stock numerics:
   exports the local shard the same way and all-gathers the bf16 result, so both paths serve the same bits, and the
   gather moves half the bytes of verl's fp32 one. ``optimizer_step`` and ``load_checkpoint`` start a new weight
   version. ``sync="rne"`` changes nothing: it is verl's own cast.
+- **Hub kernels off** (``USE_HUB_KERNELS=0`` while installed). transformers 5.25 made ``from_pretrained`` kernelize
+  every model by default (``use_kernels``): on a GPU it binds Liger's RMSNorm and a Hub RoPE kernel on each instance,
+  which would shadow the aligned classes (``apply`` refuses such a model), and verl builds the actor on the meta
+  device on every rank but the first, where the ``kernels`` library raises "Unsupported device type 'meta'". The
+  variable is transformers' own switch, read at each ``from_pretrained``; ``uninstall`` restores its old value.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import warnings
 
 from roundalign.integrations.verl.export import ShardExporter, flat_offset
@@ -29,7 +35,9 @@ from roundalign.sync import MODES as SYNC_MODES
 
 logger = logging.getLogger(__name__)
 
-_state: dict = {}  # what install() replaced: {"originals": [(owner, attr, value)], "profile", "sync", "seed"}
+_state: dict = {}  # what install() replaced: {"originals": [(owner, attr, value)], "env", "profile", "sync", "seed"}
+
+HUB_KERNELS_ENV = "USE_HUB_KERNELS"  # transformers >= 5.25: kernelize in from_pretrained unless this is false
 
 
 def installed() -> dict | None:
@@ -64,7 +72,7 @@ def install(profile=None, sync: str | None = None, seed: int = 0, **region_overr
     if sync in ("stochastic", "error-feedback"):
         _check_source(ti.FSDPEngine.get_per_tensor_param_shard, ["p.to(torch.bfloat16"], "the shard export cast")
         originals += _hook_sync(ti, sync, seed)
-    _state.update(wanted, originals=originals)
+    _state.update(wanted, originals=originals, env=_hub_kernels_off())
     logger.info("roundalign: verl hooks installed (%s)", installed())
     return installed()
 
@@ -73,7 +81,25 @@ def uninstall() -> None:
     """Put back everything ``install`` replaced."""
     for owner, attr, value in reversed(_state.get("originals", [])):
         setattr(owner, attr, value)
+    for name, value in _state.get("env", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     _state.clear()
+
+
+def _hub_kernels_off() -> dict:
+    """Set ``USE_HUB_KERNELS=0`` (module docstring: why); the previous value, for ``uninstall``."""
+    previous = os.environ.get(HUB_KERNELS_ENV)
+    if previous is not None and previous.strip().upper() not in ("0", "FALSE", "NO", "OFF", ""):
+        warnings.warn(
+            f"{HUB_KERNELS_ENV}={previous!r}: roundalign's verl hooks set it to 0, because transformers' Hub kernels "
+            "replace the forward of the modules the profile aligns, and cannot load verl's meta-device actor",
+            stacklevel=3,
+        )
+    os.environ[HUB_KERNELS_ENV] = "0"
+    return {HUB_KERNELS_ENV: previous}
 
 
 def _transformer_impl():
