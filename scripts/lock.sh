@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Compile requirements/trainer.lock and requirements/vllm.lock (`make lock`): every package of both venvs, pinned to
+# one version with the sha256 of each of its files, resolved by uv from what the project asks for.
+#
+# Inputs (the only files to edit by hand):
+#   trainer.lock  <- pyproject.toml [dev] (every extra and the test tools), requirements/trainer.in (torch's CPU build,
+#                    verl 0.9.1 and the imports it does not declare), trainer-overrides.txt, trainer-excludes.txt
+#   vllm.lock     <- requirements/vllm.in (vLLM's CPU build, TRL), vllm-excludes.txt
+# Each file says why it holds what it holds. The resolution takes the newest release each range admits, today (uv
+# --refresh: not what its cache saw earlier); the lock then keeps it until the next `make lock`. Refresh deliberately (docs/environment.md says when), run
+# `make clean-venv test`, and commit the locks with the figures they were tested with.
+#
+# uv is pinned and runs from its own venv (.venv-lock), so two developers compile with the same resolver.
+# torch's CPU build (+cpu) is not on PyPI: uv finds it where pip does on this machine (PIP_FIND_LINKS, /opt/wheels),
+# or on PyTorch's CPU index elsewhere (TORCH_INDEX).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+UV_VERSION=0.13.9
+LOCK_VENV="${LOCK_VENV:-.venv-lock}"
+OUT="${LOCK_OUT:-requirements}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ ! -x "$LOCK_VENV/bin/uv" ]] || [[ "$("$LOCK_VENV/bin/uv" --version)" != "uv $UV_VERSION"* ]]; then
+  "$PYTHON" -m venv "$LOCK_VENV"
+  "$LOCK_VENV/bin/python" -m pip install --disable-pip-version-check --quiet "uv==$UV_VERSION"
+fi
+UV="$LOCK_VENV/bin/uv"
+
+torch_source=()
+for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
+  if compgen -G "$dir/torch-*+cpu-*.whl" >/dev/null; then torch_source=(--find-links "$dir"); break; fi
+done
+if [[ ${#torch_source[@]} -eq 0 ]]; then
+  torch_source=(--extra-index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" --index-strategy unsafe-best-match)
+fi
+# The machines this project runs on: CPython 3.11 on x86-64 Linux (glibc 2.28 or newer, as torch's CPU wheel needs).
+common=(--python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes --no-header --quiet --refresh
+        "${torch_source[@]}")
+
+compile() {  # name, uv arguments...
+  local name=$1; shift
+  local tmp
+  tmp=$(mktemp)
+  "$UV" pip compile "${common[@]}" "$@" -o "$tmp"
+  {
+    echo "# inputs-sha256: $("$PYTHON" scripts/check_lock.py --print-hash "requirements/$name.lock")"
+    echo "# The $name venv, exactly: \`make lock\` (scripts/lock.sh) writes this file with uv $UV_VERSION; do not edit it."
+    echo "# Install with: pip install --no-deps --require-hashes -r requirements/$name.lock (scripts/install-env.sh)."
+    cat "$tmp"
+  } >"$OUT/$name.lock"
+  rm -f "$tmp"
+  echo "$OUT/$name.lock: $(grep -cE '^[a-zA-Z0-9]' "$OUT/$name.lock") packages"
+}
+
+compile trainer pyproject.toml --extra dev requirements/trainer.in \
+  --overrides requirements/trainer-overrides.txt --excludes requirements/trainer-excludes.txt
+compile vllm requirements/vllm.in --excludes requirements/vllm-excludes.txt
