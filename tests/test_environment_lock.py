@@ -61,7 +61,7 @@ def test_drift_is_reported_package_by_package(tmp_path):
     installed = check_lock.installed()
     lock = tmp_path / "trainer.lock"
     lock.write_text(
-        f"torch==0.0.1 \\\n    --hash=sha256:00\nnot-a-real-package==1.0\n"
+        "torch==0.0.1 \\\n    --hash=sha256:00\nnot-a-real-package==1.0\n"
         + "".join(f"{n}=={v}\n" for n, v in installed.items() if n not in ("torch", "pytest"))
     )
     problems = check_lock.check_environment(lock)
