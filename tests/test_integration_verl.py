@@ -1,7 +1,7 @@
 """roundalign.integrations.verl: the seam call, Fair Cast on FSDP shards, activation, and verl's real FSDP engine.
 
 The exporter and seam tests need only torch and transformers. The rest run verl 0.9.1's own code
-(scripts/install-verl.sh) on the CPU; see tests/verl_cpu.py for what is adjusted for this machine.
+(from requirements/trainer.lock) on the CPU; see tests/verl_cpu.py for what is adjusted for this machine.
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ MODEL = Path(__file__).resolve().parents[1] / "src" / "roundalign" / "models" / 
 
 
 def require_verl():
-    """verl, or skip on a machine without it; in CI (``CI=true``), where scripts/install-verl.sh ran, fail."""
+    """verl, or skip on a machine without it; in CI (``CI=true``), where the trainer's lock installs it, fail."""
     try:
         import verl
     except ImportError as e:
         if os.environ.get("CI") == "true":
-            raise RuntimeError("verl is not importable in CI: scripts/install-verl.sh should have installed it") from e
-        pytest.skip(f"verl is not installed ({e}); run scripts/install-verl.sh")
+            raise RuntimeError("verl is not importable in CI: requirements/trainer.lock should have installed it") from e
+        pytest.skip(f"verl is not installed ({e}); run `make install` (requirements/trainer.lock has it)")
     return verl
 
 
