@@ -38,22 +38,27 @@ def test_results_come_back_in_rank_order():
     assert spawn_gloo(_ok, 2, 10) == [2, 12]
 
 
-def test_the_first_rank_to_fail_is_named_with_its_own_traceback():
+@pytest.mark.parametrize(
+    "fn, header, needles",
+    [
+        (_rank1_raises, "rank 1 of 2 (first to fail, exit code 1)", ["ValueError: rank one's own problem"]),
+        (
+            _rank1_exits_without_traceback,
+            "rank 1 of 2 (first to fail, exit code 3)",
+            ["no Python traceback (exit code 3)", "loading the actor, step 3 of 5"],
+        ),
+    ],
+    ids=["traceback", "no-traceback"],
+)
+def test_the_first_rank_to_fail_is_named_with_its_own_error(fn, header, needles):
     with pytest.raises(RuntimeError) as info:
-        spawn_gloo(_rank1_raises, 2, grace_s=20)
+        spawn_gloo(fn, 2, grace_s=20)
     message = str(info.value)
-    assert message.startswith("rank 1 of 2 (first to fail, exit code 1)")
-    assert "ValueError: rank one's own problem" in message
-    assert message.index("rank one's own problem") < message.find("rank 0 of 2")  # the peer's error comes after
-
-
-def test_a_rank_without_traceback_is_reported_by_exit_status_and_output():
-    with pytest.raises(RuntimeError) as info:
-        spawn_gloo(_rank1_exits_without_traceback, 2, grace_s=20)
-    message = str(info.value)
-    assert message.startswith("rank 1 of 2 (first to fail, exit code 3)")
-    assert "no Python traceback (exit code 3)" in message
-    assert "loading the actor, step 3 of 5" in message
+    assert message.startswith(header)
+    for needle in needles:
+        assert needle in message
+    assert "rank 0 of 2 (after" in message  # the peer's collective error comes after the cause
+    assert message.index(needles[-1]) < message.index("rank 0 of 2")
 
 
 def test_exit_statuses_are_named():

@@ -29,7 +29,9 @@ def require_verl():
         import verl
     except ImportError as e:
         if os.environ.get("CI") == "true":
-            raise RuntimeError("verl is not importable in CI: requirements/trainer.lock should have installed it") from e
+            raise RuntimeError(
+                "verl is not importable in CI: requirements/trainer.lock should have installed it"
+            ) from e
         pytest.skip(f"verl is not installed ({e}); run `make install` (requirements/trainer.lock has it)")
     return verl
 
