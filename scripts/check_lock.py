@@ -20,6 +20,7 @@ import importlib.metadata as md
 import json
 import re
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -72,7 +73,12 @@ def read_lock(lock: Path) -> tuple[dict[str, str], str | None]:
 
 
 def installed() -> dict[str, str]:
-    return {canonical(d.metadata["Name"]): d.version for d in md.distributions() if d.metadata["Name"]}
+    """``{canonical name: version}`` of what is installed in this environment's site-packages.
+
+    Only there: not every ``sys.path`` entry, because setuptools puts its own vendored copies (packaging, zipp,
+    importlib-metadata, jaraco.*) on ``sys.path`` once imported, and those are part of setuptools, not installs."""
+    dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {canonical(d.metadata["Name"]): d.version for d in md.distributions(path=dirs) if d.metadata["Name"]}
 
 
 def check_inputs(lock: Path) -> list[str]:

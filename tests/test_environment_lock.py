@@ -38,6 +38,15 @@ def test_the_trainer_venv_is_exactly_its_lock():
     assert check_lock.check_environment(LOCKS / "trainer.lock") == [], f"{sys.prefix} drifted from trainer.lock"
 
 
+def test_vendored_copies_on_sys_path_are_not_installs():
+    """setuptools, once imported, puts its _vendor folder (its own packaging, zipp, jaraco.*) on sys.path."""
+    import setuptools  # noqa: F401  (what torch's extension builder and Inductor import in the suite's workers)
+
+    vendored = Path(setuptools.__file__).parent / "_vendor"
+    assert any(Path(p).resolve() == vendored.resolve() for p in sys.path if p)
+    assert check_lock.check_environment(LOCKS / "trainer.lock") == []
+
+
 def test_the_engine_venv_is_exactly_its_lock(engine_python):
     proc = subprocess.run(
         [engine_python, str(ROOT / "scripts" / "check_lock.py"), str(LOCKS / "vllm.lock")],
