@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 
-from roundalign.errors import MissingDependency
+from roundalign.extras import require
 
 PIPED_WIDTH = 240
 
 
 def make_console(purpose: str = "the tables"):
     """A rich Console; ``MissingDependency`` (exit status 6) when the [cli] extra is not installed."""
-    try:
-        from rich.console import Console
-    except ImportError:
-        raise MissingDependency("rich", "cli", purpose) from None
+    require("rich", purpose)
+    from rich.console import Console
+
     console = Console()
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console

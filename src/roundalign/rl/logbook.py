@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from roundalign.errors import UserError
+from roundalign.extras import available
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -42,15 +43,15 @@ class Logbook:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
+            if not available("tensorboard"):
                 if console is not None:
                     console.print(
                         "[dim]TensorBoard is not installed (pip install tensorboard): metrics go to "
                         f"{self.path} only[/dim]"
                     )
             else:
+                from torch.utils.tensorboard import SummaryWriter
+
                 self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
 
     def write(self, step: int, metrics: dict) -> None:
