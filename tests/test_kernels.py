@@ -308,10 +308,14 @@ def test_engine_attention_lets_go_of_hfs_mask_with_its_backward(monkeypatch):
     second backward (retain_graph) keeps the mask and gives the same gradients again."""
     import weakref
 
+    from roundalign.kernels import engine_attention
+
     model = roundalign.apply(load_model(models.path()), EXACT).train()
     masks = []
-    seen = kernels._sequences_of
-    monkeypatch.setattr(kernels, "_sequences_of", lambda mask, *a: masks.append(weakref.ref(mask)) or seen(mask, *a))
+    seen = engine_attention._sequences_of
+    monkeypatch.setattr(
+        engine_attention, "_sequences_of", lambda mask, *a: masks.append(weakref.ref(mask)) or seen(mask, *a)
+    )
     ids = torch.randint(1, 264, (2, 12), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 8:] = 0  # right padding: HF builds a 4-D mask

@@ -42,8 +42,8 @@ from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, Re
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
-# and autograd (the backward) need: same code, same bits as the trainer's ops, and a decode step about a quarter
-# faster on the tiny models (the dispatch costs more than the formula at a handful of tokens).
+# and autograd (the backward) need: same code, same bits as the trainer's ops, and a faster decode step on the tiny
+# models (the dispatch costs more than the formula at a handful of tokens).
 
 
 def _residual_add(a: torch.Tensor, h: torch.Tensor, rule: ResidualRule, dtype: torch.dtype):

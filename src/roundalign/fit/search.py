@@ -137,9 +137,9 @@ def _measure(entries: list[Scored], idxs: list[int], data: dict[int, torch.Tenso
 
 
 CHECK_QUANTILE = 0.9  # the model check's statistic: this quantile of |log-ratio| over the checked tokens
-# Calibrated on the shipped model (docs/fit.md): the reference engine's own decode dumps sit at 0.01-2.6x, also with
-# GEMMs whose rows depend on the call's row count; 1% weight noise at 12x and more, processed log-probs at
-# temperature 0.97 at 8.8x and more.
+# Between what an engine's own dumps reach (kernel and shape effects, GEMMs whose rows depend on the row count) and
+# what a model or sampling mismatch reaches (weight noise, processed log-probs): calibrated on the shipped model,
+# with the figures in docs/fit.md ("Calibration").
 MAX_EXCESS = 5.0
 
 

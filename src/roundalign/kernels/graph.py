@@ -9,8 +9,8 @@ opaque op, and on a CPU without AMX or a oneDNN bf16 matmul its GEMMs are torch'
 What those fused kernels compute is not a rounding location. They drop the bf16 casts between fused ops (the
 ``vllm-0.32-cpu`` rules say where), and they also sum each RMSNorm's squares in Inductor's own order: in vector
 lanes, 16 or 8 of them depending on whether that kernel also stores the fp32 residual, which Inductor's
-store-or-recompute heuristic decides per layer. A rounding rule cannot say that, and with vLLM's attention and GEMM
-alone the trainer matched the compiled engine on 75.7% of the shipped model's tokens and 0.4% of a wider Qwen3's.
+store-or-recompute heuristic decides per layer. A rounding rule cannot say that, and vLLM's attention and GEMM
+alone leave the trainer short of the compiled engine (docs/kernels.md has how far).
 
 So this module runs vLLM's own forward code, in vLLM's layer structure (Qwen3 here: ``Qwen2Model.forward`` with
 ``Qwen3DecoderLayer``), on the trainer model's weights, through the same compiler with the same options: Inductor

@@ -101,7 +101,7 @@ _LAYOUT: list = []  # (key, layout) of the batch in progress: its layers share i
 def _layout(lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """The KV-cache layout and vLLM's scheduler metadata for sequences of ``lengths``: ``(lengths, blocks, slots,
     table, starts, isa, metadata)``. Built once per batch and shared by its layers, as vLLM builds its attention
-    metadata once per step (a third of a call's time at tiny-qwen3's sizes)."""
+    metadata once per step (building it is a sizeable share of a call at small sizes)."""
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

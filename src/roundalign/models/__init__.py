@@ -2,10 +2,10 @@
 
 One ships today, ``tiny-qwen3``: a 3.3M-parameter Qwen3 (bf16, hidden 256, 4 layers, head_dim 64, untied lm_head)
 with a word-level tokenizer of 264 tokens, trained from scratch on the arithmetic word problems of
-``roundalign.tasks.arithmetic`` by ``scripts/train_tiny_model.py`` (deterministic, seeded, about 12 minutes on 2 CPU
-cores). It exists so that ``roundalign probe`` audits trainer-vs-engine log-prob mismatch on a model whose
-next-token distributions are peaked and whose norm weights were moved by training, as a real LM's are, without a
-download. Its model card (``README.md`` in its directory) and docs/tiny-model.md give the measured figures::
+``roundalign.tasks.arithmetic`` by ``scripts/train_tiny_model.py`` (deterministic and seeded; docs/tiny-model.md
+says how long it takes). It exists so that ``roundalign probe`` audits trainer-vs-engine log-prob mismatch on a
+model whose next-token distributions are peaked and whose norm weights were moved by training, as a real LM's are,
+without a download. Its model card (``README.md`` in its directory) and docs/tiny-model.md give the measured figures::
 
     import torch, transformers, roundalign.models
     path = roundalign.models.path("tiny-qwen3")

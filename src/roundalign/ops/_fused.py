@@ -6,10 +6,11 @@ with fp32 temporaries in memory. Inductor fuses it into one kernel. What it comp
 backward as opaque ATen calls), so the fused kernel equals the eager formula bit for bit
 (tests/test_ops_compiled.py), and ``emulate_precision_casts`` is set for good measure.
 
-**Why not ``torch.compile`` per call.** A ``torch.compile``'d function checks Dynamo's guards on every call, about
-40 µs on a CPU, which is more than the kernel itself on a 256-wide model. Here each formula is traced once per
-*signature* (``make_fx`` with symbolic sizes) and compiled with ``torch._inductor.standalone_compile``; the call is
-then Inductor's generated wrapper and kernel, about 10 µs. What Dynamo's guards would check is the signature:
+**Why not ``torch.compile`` per call.** A ``torch.compile``'d function checks Dynamo's guards on every call, which
+on a CPU costs more than the kernel itself on a small model (docs/design.md has the figures). Here each formula is
+traced once per *signature* (``make_fx`` with symbolic sizes) and compiled with
+``torch._inductor.standalone_compile``; the call is then Inductor's generated wrapper and kernel alone. What
+Dynamo's guards would check is the signature:
 
 - per tensor input: dtype, rank, which dims have size 1 (tracing specialises them), and the dims' memory order
   (the kernel's index arithmetic is written for one layout; other strides are normalised to it, a view, or the

@@ -197,8 +197,8 @@ def _recomputable_in_backward() -> None:
     Its op lists hold ATen's pointwise ops only (``torch.Tag.pointwise`` is read from ``torch.ops.aten`` alone), so
     a value a backward widened through ``widen_saved`` counted as "materialized in the backward" and was never
     recomputed there, only saved: RoPE's bf16 cos and sin, which stock's compiled graph recomputes from the
-    positions (0.3 % of the saved bytes at Qwen3-0.6B's widths). Only ``widen_saved``: letting the partitioner
-    also recompute ``round_to`` and ``widen`` moved what it saved elsewhere (a 4 % higher peak at that shape).
+    positions. Only ``widen_saved``: letting the partitioner also recompute ``round_to`` and ``widen`` moved what
+    it saved elsewhere (a higher peak, not a lower one).
     The lowering above computes the same bits wherever the widening runs."""
     from torch._functorch import partitioners
 

@@ -22,8 +22,8 @@ Residual add:
 **Where a norm of ``S`` is differentiated.** Its forward reads ``S``, as the engine's fused add + norm does; its
 backward is RMSNorm's gradient at ``R = r(S)``, the residual stock HF differentiates at, and returned in fp32 as
 ``S``'s gradient. The exact gradient of the formula would need ``S`` itself kept for the backward: 4 bytes an element
-where stock keeps the 2 of ``R``, one tensor per norm (about 8 % of a compiled step's saved bytes). Both are
-bf16-accurate gradients; the log-probs, which is what the engine is compared on, do not depend on the choice.
+where stock keeps the 2 of ``R``, one tensor per norm. Both are bf16-accurate gradients; the log-probs, which is
+what the engine is compared on, do not depend on the choice.
 """
 
 from __future__ import annotations

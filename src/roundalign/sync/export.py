@@ -29,7 +29,7 @@ its residual is reset to zero.
 Cost (docs/sync.md, Cost, has the figures). On the CPU every SR and EF export is one pass over the weights in
 compiled kernels (``_native.c``, built at first use), SR computing its noise in the same pass, and ``Exporter``
 hands a whole state_dict to them in one call, run on torch's threads; both cost about what the plain cast does
-where the served copy is written into fresh memory, as a large tensor's is (1.01-1.44x on a 2-core Zen 4).
+where the served copy is written into fresh memory, as a large tensor's is.
 Elsewhere (GPU masters, a machine without a C compiler) the same arithmetic runs as element-wise torch passes, chunk
 by chunk on the CPU (``_CHUNK`` elements) so that every pass after the first reads from cache. Neither chunking nor
 threads change a bit: every element's result depends only on its own value, its own noise and (EF) its own residual.

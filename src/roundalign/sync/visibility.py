@@ -4,7 +4,7 @@
 engine received, and returns (all tensors together; every key always present, ``None`` where undefined):
 
 - ``sync/visible_fraction``: the fraction of served elements whose bits changed since the previous call, the
-  PULSE / HF delta-sync measurement (about 1% under RNE at RL learning rates).
+  PULSE / HF delta-sync measurement.
 - ``sync/update_transfer``: ``<s_t - s_{t-1}, m_t - m_{t-1}> / ||m_t - m_{t-1}||^2``, the share of this step's
   master update that reached the served copy: about 0 when RNE absorbs the updates, 1 in expectation under SR or
   error feedback. ``None`` at the first call and when the master did not change.
