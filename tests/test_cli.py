@@ -136,7 +136,7 @@ def test_console_script_runs_in_a_subprocess():
     ],
 )
 def test_each_error_class_has_its_exit_status_and_one_line(capsys, monkeypatch, error, status):
-    import roundalign.profiles_cli as profiles_cli
+    import roundalign.profiles.cli as profiles_cli
 
     def fail(config):
         raise error
@@ -150,7 +150,7 @@ def test_each_error_class_has_its_exit_status_and_one_line(capsys, monkeypatch, 
 def test_an_error_that_is_not_the_users_is_a_bug_with_its_traceback(monkeypatch):
     """Bad input is a UserError (exit 2, one line). A ValueError from inside roundalign is a bug: it propagates, so
     Python prints its traceback and exits 1, instead of passing for bad input."""
-    import roundalign.profiles_cli as profiles_cli
+    import roundalign.profiles.cli as profiles_cli
 
     def fail(config):
         raise ValueError("an internal check failed")
@@ -168,7 +168,7 @@ def test_the_exit_status_table_is_the_readme_one():
 
 def test_import_and_help_load_neither_torch_nor_transformers():
     """``import roundalign``, ``roundalign --help`` and ``roundalign profiles`` start at once: none of them imports
-    torch or transformers (3.7 s on a 2-core CPU before they were made lazy)."""
+    torch or transformers."""
     code = (
         "import sys, contextlib, io\n"
         "import roundalign\n"
@@ -217,7 +217,7 @@ def test_profiles_overview_fits_any_width_and_cuts_no_formula(width):
 
     from rich.console import Console
 
-    from roundalign.profiles_cli import overview
+    from roundalign.profiles.cli import overview
 
     console = Console(width=width, file=io.StringIO(), force_terminal=False)
     for renderable in overview([get_profile(n) for n in list_profiles()], False, console):
@@ -239,7 +239,7 @@ def test_profile_detail_fits_any_width_and_cuts_nothing(name, width):
 
     from rich.console import Console
 
-    from roundalign.profiles_cli import detail
+    from roundalign.profiles.cli import detail
 
     console = Console(width=width, file=io.StringIO(), force_terminal=False)
     for renderable in detail(get_profile(name), console):

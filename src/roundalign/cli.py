@@ -1,6 +1,6 @@
 """The ``roundalign`` command line.
 
-    roundalign profiles [NAME] [--sources] [--json]   # the rounding profiles (roundalign.profiles_cli)
+    roundalign profiles [NAME] [--sources] [--json]   # the rounding profiles (roundalign.profiles.cli)
     roundalign probe                    # the mismatch audit on the shipped model (roundalign.probe.cli)
     roundalign train --out DIR          # a GRPO run on the reference engine (roundalign.rl.cli, docs/train.md)
     roundalign compare --grid ...       # a grid of train runs, plotted and tabulated (roundalign.rl.compare)
@@ -43,7 +43,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
-        Command("profiles", "list the built-in rounding profiles, or show one", "roundalign.profiles_cli"),
+        Command("profiles", "list the built-in rounding profiles, or show one", "roundalign.profiles.cli"),
         Command(
             "probe",
             "audit trainer-vs-engine log-prob mismatch: where it comes from, region by region, layer by layer",

@@ -1,11 +1,12 @@
 """What roundalign supports, checked in one place: model families, activation, RoPE type, attention.
 
 Two sides have limits of their own. The trainer side (``roundalign.apply``, and with it ``probe``, ``fit``,
-``train`` and the integrations) patches the HF modules of four families. The reference engine implements the
-dense ones with full causal attention. Each check raises ``UnsupportedModel`` (exit status 2 on the command line)
-with one message per limit, and a way forward only where there is one: a model the engine cannot serve can still
-be audited from a real engine's dump (``--engine-logprobs``), because the trainer side can patch it; a model the
-trainer side cannot patch has no such way, and the message says so rather than send the user into the same error.
+``train`` and the integrations) patches the HF modules of the families in ``TRAINER_FAMILIES``. The reference
+engine implements the dense ones with full causal attention. Each check raises ``UnsupportedModel`` (exit status 2
+on the command line) with one message per limit, and a way forward only where there is one: a model the engine
+cannot serve can still be audited from a real engine's dump (``--engine-logprobs``), because the trainer side can
+patch it; a model the trainer side cannot patch has no such way, and the message says so rather than send the user
+into the same error.
 
 Only config attributes are read here, so the checks run before any weight is loaded.
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 from roundalign.errors import UnsupportedModel
 
+# The model types the trainer side patches, the one list of them: each has its family module,
+# roundalign.patch.<model_type>, which registers itself in roundalign.patch.registry (and is refused there if it is
+# not listed here). Kept here, not derived from the registry, because these checks must not import the patch package.
 TRAINER_FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")  # Qwen2 covers Qwen2.5
 ENGINE_FAMILIES = ("qwen3", "qwen2", "llama")
 SWIGLU_ACTIVATIONS = ("silu", "swish")  # the same function; SwiGLU's rules are written for it

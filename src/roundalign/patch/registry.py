@@ -3,6 +3,11 @@
 A family names its HF module classes; ``define_family`` creates ``Aligned<HFClass>`` for each (the shared mixin
 from ``_common`` in front of the HF class) inside the family's own module, so that the classes have importable
 names (pickle, ``print(model)``) and one file per family stays a short, readable declaration.
+
+The model types that have a family are listed once, in ``roundalign.support.TRAINER_FAMILIES`` (which the
+config checks read without importing this package): each names its module, ``roundalign.patch.<model_type>``,
+which ``family_of`` imports on first use and which registers its family in ``FAMILIES`` here. ``define_family``
+refuses a model type that list does not name.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from roundalign.patch._common import (
     AlignedRMSNorm,
 )
 from roundalign.rotary import AlignedRotary
+from roundalign.support import TRAINER_FAMILIES
 
 _MIXINS = {
     "norm": AlignedRMSNorm,
@@ -44,11 +50,17 @@ class Family:
         return None
 
 
-FAMILIES: dict[str, Family] = {}
+FAMILIES: dict[str, Family] = {}  # model_type -> Family, filled as each TRAINER_FAMILIES module is imported
 
 
 def define_family(model_type: str, namespace: dict, has_qk_norm: bool = False, **hf_classes: type) -> Family:
     """Create ``Aligned<HFClass>`` for each ``role=HFClass`` in the caller's module and register the family."""
+    if model_type not in TRAINER_FAMILIES:
+        # check_trainer_model refuses every model type the list does not name: this family would never be used.
+        raise ValueError(
+            f"model_type {model_type!r} has a family module but is not in roundalign.support.TRAINER_FAMILIES; "
+            "list it there"
+        )
     foreign = [
         f"{role}={c.__module__}.{c.__name__}"
         for role, c in hf_classes.items()

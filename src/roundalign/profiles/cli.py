@@ -18,7 +18,10 @@ import json
 from dataclasses import dataclass
 
 from roundalign.errors import ExitStatus, UserError
-from roundalign.profiles import REGIONS, Profile, get_profile, list_profiles
+from roundalign.options import field_help, option
+from roundalign.profiles.builtin import get_profile, list_profiles
+from roundalign.profiles.profile import Profile
+from roundalign.profiles.rules import REGIONS
 
 CAPTION = "r(.) rounds fp32 to bf16; nu(x) = rsqrt(mean(x^2) + eps); dim = same as stock HF"
 
@@ -27,9 +30,9 @@ CAPTION = "r(.) rounds fp32 to bf16; nu(x) = rsqrt(mean(x^2) + eps); dim = same 
 class ProfilesConfig:
     """``roundalign profiles``'s options: one profile (a name or a .json file) or all; a source column; JSON."""
 
-    name: str | None = None
-    sources: bool = False
-    json: bool = False
+    name: str | None = option(None, "one profile to show in detail ({names}), or a profile .json file")
+    sources: bool = option(False, "add the column saying where each profile was read")
+    json: bool = option(False, "print JSON (Profile.to_dict) instead of a table")
 
     def validate(self) -> ProfilesConfig:
         if self.name is not None:
@@ -40,11 +43,9 @@ class ProfilesConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "name", nargs="?", help=f"one profile to show in detail ({', '.join(list_profiles())}), or a profile .json file"
-    )
-    parser.add_argument("--sources", action="store_true", help="add the column saying where each profile was read")
-    parser.add_argument("--json", action="store_true", help="print JSON (Profile.to_dict) instead of a table")
+    parser.add_argument("name", nargs="?", help=field_help(ProfilesConfig, "name", names=", ".join(list_profiles())))
+    parser.add_argument("--sources", action="store_true", help=field_help(ProfilesConfig, "sources"))
+    parser.add_argument("--json", action="store_true", help=field_help(ProfilesConfig, "json"))
 
 
 def config_from_args(args: argparse.Namespace) -> ProfilesConfig:
@@ -79,7 +80,7 @@ def _wide_table(profiles: list[Profile], sources: bool):
 
 
 def _profile_table(p: Profile, sources: bool):
-    """One profile as a region | formula table: fits 80 columns (its widest formula line is under 50)."""
+    """One profile as a region | formula table, narrow enough for a terminal (docs/profiles.md)."""
     from rich.table import Table
 
     caption = f"source: {p.source}" if sources else None
