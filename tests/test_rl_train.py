@@ -222,6 +222,20 @@ def test_invalid_combinations_are_rejected_before_any_work(tmp_path, capsys, arg
     assert not out.exists()  # rejected before anything was loaded or written
 
 
+def test_every_setting_carries_its_help_and_train_help_shows_it(capsys):
+    """Each ``TrainConfig`` field documents itself; ``roundalign train --help`` shows that text, defaults filled in."""
+    import dataclasses
+
+    fields = dataclasses.fields(TrainConfig)
+    assert [f.name for f in fields if not f.metadata.get("help")] == []
+    assert sorted(set(rl_cli.OPTIONS) - {f.name for f in fields}) == ["no_tensorboard", "out", "quiet", "resume"]
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "training steps (default 60)" in text and "learning rate (default 1e-05)" in text
+    assert "{default}" not in text and "{profiles}" not in text
+
+
 def test_compare_runs_two_real_train_runs_and_plots_them(tmp_path):
     """``roundalign compare`` end to end with real ``roundalign train`` processes (no fake command)."""
     out = tmp_path / "grid"

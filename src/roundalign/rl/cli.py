@@ -4,10 +4,12 @@
     roundalign train --out runs/aligned-sr --trainer-profile engine --sync stochastic
     roundalign train --resume runs/aligned-sr --steps 120      # continue a run from its last checkpoint
 
-Every option maps onto one ``TrainConfig`` field (``--group-size`` -> ``group_size``). Options are read with
-argparse defaults suppressed, so the run knows which ones the user gave: a resumed run takes its settings from the
-run's ``config.json`` and rejects a given option that contradicts it (only ``--steps`` and ``--save-every`` may
-change), and ``--clip-eps`` given with ``--loss-type reinforce`` is an error rather than silently ignored.
+Every option but the run's own (``--out``, ``--resume``, ``--no-tensorboard``, ``--quiet``) maps onto one
+``TrainConfig`` field (``--group-size`` -> ``group_size``), whose ``metadata["help"]`` is its help; ``OPTION_GROUPS``
+lists the options, for this parser and for ``roundalign compare``'s grid. Options are read with argparse defaults
+suppressed, so the run knows which ones the user gave: a resumed run takes its settings from the run's
+``config.json`` and rejects a given option that contradicts it (only ``--steps`` and ``--save-every`` may change),
+and ``--clip-eps`` given with ``--loss-type reinforce`` is an error rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -36,103 +38,124 @@ def _betas(text: str) -> tuple[float, float]:
     return a, b
 
 
+@dataclass(frozen=True)
+class Option:
+    """One ``roundalign train`` option: ``dest``, the setting it gives (a ``TrainConfig`` field, or one of the run's
+    own: out, resume, no_tensorboard, quiet), argparse's keywords for it, and its help (None: the field's
+    ``metadata["help"]``, so each text lives in one place)."""
+
+    dest: str
+    kwargs: dict = field(default_factory=dict)
+    help: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every spelling: ``--loss-on-served`` also has ``--no-loss-on-served``."""
+        if self.kwargs.get("action") is argparse.BooleanOptionalAction:
+            return self.flag, "--no-" + self.flag[2:]
+        return (self.flag,)
+
+    @property
+    def takes_value(self) -> bool:
+        return self.kwargs.get("action") not in ("store_true", argparse.BooleanOptionalAction)
+
+
+# The options in --help order, by group. A grid of runs (rl/compare_plan.py) reads this table too.
+OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
+    (
+        "run",
+        (
+            Option(
+                "out",
+                {"metavar": "DIR"},
+                "run directory: config.json, metrics.jsonl, checkpoints/ (default runs/train)",
+            ),
+            Option(
+                "resume",
+                {"metavar": "DIR"},
+                "continue the run in DIR from its last checkpoint (its config.json rules)",
+            ),
+            Option("model", {"metavar": "PATH"}),
+            Option("steps", {"type": int}),
+            Option("seed", {"type": int}),
+            Option("save_every", {"type": int, "metavar": "N"}),
+            Option("eval_every", {"type": int, "metavar": "N"}),
+            Option("eval_problems", {"type": int, "metavar": "N"}),
+            Option(
+                "no_tensorboard",
+                {"action": "store_true"},
+                "do not write TensorBoard events even if tensorboard is installed",
+            ),
+            Option("quiet", {"action": "store_true"}, "no progress bar"),
+        ),
+    ),
+    (
+        "rollouts",
+        (
+            Option("engine", {"choices": ENGINES}),
+            Option("enforce_eager", {"action": "store_true"}),
+            Option("engine_profile", {"metavar": "NAME"}),
+            Option("engine_backend", {"choices": ENGINE_BACKENDS}),
+            Option("prompts_per_step", {"type": int}),
+            Option("group_size", {"type": int}),
+            Option("max_tokens", {"type": int}),
+            Option("temperature", {"type": float}),
+            Option("top_p", {"type": float}),
+            Option("prefill_check", {"action": "store_true"}),
+            Option("level", {"type": int, "choices": (1, 2, 3)}),
+        ),
+    ),
+    (
+        "trainer",
+        (
+            Option("trainer_profile", {"metavar": "NAME"}),
+            Option("dtype", {"choices": DTYPES}),
+            Option("loss_type", {"choices": LOSS_TYPES}),
+            Option("inner_epochs", {"type": int}),
+            Option("clip_eps", {"type": float}),
+            Option("clip_eps_high", {"type": float}),
+            Option("optimizer", {"choices": OPTIMIZERS}),
+            Option("lr", {"type": float}),
+            Option("weight_decay", {"type": float}),
+            Option("betas", {"type": _betas, "metavar": "B1,B2"}),
+            Option("grad_clip", {"type": float}),
+            Option("rollout_is", {"choices": IS_MODES}),
+            Option("rollout_is_threshold", {"metavar": "U|L_U"}),
+            Option("loss_scale", {"type": float}),
+        ),
+    ),
+    (
+        "weight export (Fair Cast)",
+        (
+            Option("sync", {"choices": SYNC_MODES}),
+            Option("loss_on_served", {"action": argparse.BooleanOptionalAction}),
+            Option("lag_window", {"type": int}),
+        ),
+    ),
+)
+OPTIONS: dict[str, Option] = {o.dest: o for _, group in OPTION_GROUPS for o in group}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def help_text(option: Option) -> str:
+    """The option's help: its own, or its ``TrainConfig`` field's with ``{default}`` and ``{profiles}`` filled in."""
+    if option.help is not None:
+        return option.help
+    config_field = _FIELDS[option.dest]
+    default = config_field.default if config_field.default is not dataclasses.MISSING else None
+    return config_field.metadata["help"].format(default=default, profiles=", ".join(list_profiles()))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    profiles = ", ".join(list_profiles())
-    g = parser.add_argument_group("run")
-    a = g.add_argument
-    a("--out", metavar="DIR", help="run directory: config.json, metrics.jsonl, checkpoints/ (default runs/train)")
-    a("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (its config.json rules)")
-    a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
-    a("--steps", type=int, help=f"training steps (default {d.steps})")
-    a("--seed", type=int, help=f"seed for problems, sampling and stochastic export (default {d.seed})")
-    a("--save-every", type=int, metavar="N", help="checkpoint every N steps (default 0: only at the end)")
-    a(
-        "--eval-every",
-        type=int,
-        metavar="N",
-        help=f"greedy held-out accuracy every N steps (default {d.eval_every}; 0: never)",
-    )
-    a("--eval-problems", type=int, metavar="N", help=f"held-out problems per evaluation (default {d.eval_problems})")
-    a("--no-tensorboard", action="store_true", help="do not write TensorBoard events even if tensorboard is installed")
-    a("--quiet", action="store_true", help="no progress bar")
-    g = parser.add_argument_group("rollouts")
-    a = g.add_argument
-    a(
-        "--engine",
-        choices=ENGINES,
-        help="who samples: reference (default: roundalign's CPU engine) or vllm (a real vLLM in this process; run "
-        "roundalign where it is installed, docs/kernels.md)",
-    )
-    a("--enforce-eager", action="store_true", help="--engine vllm: its enforce_eager mode (default: compiled)")
-    a(
-        "--engine-profile",
-        metavar="NAME",
-        help=f"the reference engine's rounding profile (default {d.engine_profile}; {profiles})",
-    )
-    a(
-        "--engine-backend",
-        choices=ENGINE_BACKENDS,
-        help=f"the reference engine's numerics backend (default {d.engine_backend})",
-    )
-    a("--prompts-per-step", type=int, help=f"problems per step (default {d.prompts_per_step})")
-    a("--group-size", type=int, help=f"completions per problem (default {d.group_size})")
-    a("--max-tokens", type=int, help=f"max completion tokens (default {d.max_tokens})")
-    a("--temperature", type=float, help=f"sampling temperature (default {d.temperature})")
-    a("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
-    a(
-        "--prefill-check",
-        action="store_true",
-        help="also log the trainer's mismatch against the engine's prefill "
-        "re-score of the same tokens (prefill/*): the rounding-location gap without decode's attention shapes",
-    )
-    a("--level", type=int, choices=(1, 2, 3), help=f"arithmetic level of the training problems (default {d.level})")
-    g = parser.add_argument_group("trainer")
-    a = g.add_argument
-    a(
-        "--trainer-profile",
-        metavar="NAME",
-        help="the trainer's rounding profile: 'engine' (default: round where the engine does; with --engine vllm, "
-        f"the build's profile with vLLM's kernels), hf (stock), aligned, or any of {profiles}",
-    )
-    a(
-        "--dtype",
-        choices=DTYPES,
-        help="compute dtype of trainer and engine (default bfloat16; float16 is the "
-        "Precision-RL baseline, with dynamic loss scaling)",
-    )
-    a("--loss-type", choices=LOSS_TYPES, help="grpo (PPO-clip, default) or reinforce")
-    a("--inner-epochs", type=int, help="passes over each step's rollouts (default 1)")
-    a("--clip-eps", type=float, help="PPO clip epsilon (default 0.2)")
-    a("--clip-eps-high", type=float, help="upper clip epsilon (DAPO clip-higher; default: --clip-eps)")
-    a("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
-    a("--lr", type=float, help=f"learning rate (default {d.lr:g})")
-    a("--weight-decay", type=float, help=f"decoupled weight decay (default {d.weight_decay:g})")
-    a("--betas", type=_betas, metavar="B1,B2", help="AdamW betas (default 0.9,0.999)")
-    a("--grad-clip", type=float, help=f"max total gradient norm (default {d.grad_clip:g}; 0: off)")
-    a(
-        "--rollout-is",
-        choices=IS_MODES,
-        help="importance-sampling correction between sampler and trainer (default none)",
-    )
-    a(
-        "--rollout-is-threshold",
-        metavar="U|L_U",
-        help="its bounds in verl's format, e.g. 2.0 or 0.5_2.0 (default per mode, docs/train.md)",
-    )
-    a("--loss-scale", type=float, help="float16: initial dynamic loss scale (default 65536)")
-    g = parser.add_argument_group("weight export (Fair Cast)")
-    a = g.add_argument
-    a("--sync", choices=SYNC_MODES, help="how master weights are rounded for the engine each step (default rne)")
-    a(
-        "--loss-on-served",
-        action=argparse.BooleanOptionalAction,
-        help="compute the trainer's forward on the served weights (default: on for stochastic and error-feedback)",
-    )
-    a("--lag-window", type=int, help="steps of master history kept to estimate the served copy's lag (default 256)")
-    for action in parser._actions:  # no defaults in the namespace: only what the user gave (see the docstring)
-        if action.dest != "help":
-            action.default = argparse.SUPPRESS
+    for title, options in OPTION_GROUPS:
+        group = parser.add_argument_group(title)
+        for option in options:
+            # No defaults in the namespace: only what the user gave (see the module docstring).
+            group.add_argument(option.flag, **option.kwargs, default=argparse.SUPPRESS, help=help_text(option))
 
 
 _NOT_CONFIG = ("out", "resume", "no_tensorboard", "quiet", "command")

@@ -1,9 +1,9 @@
 """Reading a grid's runs back, and its summary table (``summary.md``, ``summary.json``).
 
-Part of ``roundalign compare`` (rl/compare.py runs the grid; rl/compare_plots.py draws it). A run is a cell's
-directory: its ``cell.json`` settings, ``config.json`` and ``metrics.jsonl``. Runs that differ only in ``seed``
-form one configuration, summarized as mean +- std across seeds of each metric's average over the last quarter of
-the run's steps (the last evaluation for eval accuracy).
+Part of ``roundalign compare`` (rl/compare_plan.py plans the grid, rl/compare_run.py runs it, rl/compare.py is
+the command, rl/compare_plots.py draws it). A run is a cell's directory: its ``cell.json`` settings, ``config.json``
+and ``metrics.jsonl``. Runs that differ only in ``seed`` form one configuration, summarized as mean +- std across
+seeds of each metric's average over the last quarter of the run's steps (the last evaluation for eval accuracy).
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ from roundalign.errors import UserError
 from roundalign.rl.logbook import read_metrics
 
 GRID_ALIASES = {"trainer": "trainer_profile", "engine": "engine_profile", "is": "rollout_is"}
-_SHORT = {v: k for k, v in GRID_ALIASES.items()}
+SHORT_NAMES = {v: k for k, v in GRID_ALIASES.items()}  # TrainConfig field -> its grid alias
+
+
+def short_name(key: str) -> str:
+    """How a grid key is written in labels and cell names: its alias, or the field as an option (``loss-type``)."""
+    return SHORT_NAMES.get(key, key.replace("_", "-"))
 
 
 def config_label(settings: dict[str, str]) -> str:
-    return " ".join(f"{_SHORT.get(k, k.replace('_', '-'))}={v}" for k, v in settings.items()) or "(no grid keys)"
+    return " ".join(f"{short_name(k)}={v}" for k, v in settings.items()) or "(no grid keys)"
 
 
 # (metric, column header) in table order; eval/accuracy is read at the last evaluation, the rest averaged.
@@ -167,7 +172,7 @@ def summarize(runs: list[Run], out: Path) -> Path:
     )
     lines = ["# roundalign compare", ""]
     if grid:
-        spec = " ".join(f"{_SHORT.get(k, k)}={','.join(v)}" for k, v in grid.get("grid", {}).items())
+        spec = " ".join(f"{SHORT_NAMES.get(k, k)}={','.join(v)}" for k, v in grid.get("grid", {}).items())
         lines += [f"Grid: `{spec}`; fixed train options: `{' '.join(grid.get('fixed_args', [])) or '(none)'}`."]
         missing = [c for c in grid.get("cells", []) if c not in {r.name for r in runs}]
         if missing:

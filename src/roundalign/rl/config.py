@@ -4,6 +4,10 @@ One frozen dataclass holds the run. ``roundalign train``'s options map onto its 
 is ``group_size``), ``config.json`` in the run directory is its ``to_dict()``, and ``--resume`` reads it back, so a
 resumed run cannot silently change a setting. ``validate`` rejects option combinations that would make a run
 meaningless, each with the reason and the fix, before a model is loaded (docs/train.md, "Invalid combinations").
+
+Each field documents itself in ``metadata["help"]``, which is also the help of its ``roundalign train`` option: the
+CLI fills in ``{default}`` (the field's default) and ``{profiles}`` (the profile names). Fields without an option
+say so.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from roundalign.engine import BACKENDS, check_backend
 from roundalign.errors import UserError, flag
 from roundalign.numerics import dtypes
 from roundalign.numerics.correction import ISCorrection
+from roundalign.options import SAMPLING, check_sampling
 from roundalign.profiles import get_profile
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
@@ -29,44 +34,111 @@ TRAINER_SAME_AS_ENGINE = "engine"  # --trainer-profile engine: round where the e
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A GRPO run on the reference engine. Field docs are the CLI's help texts (rl/cli.py)."""
+    """A GRPO run on the reference engine (or a real vLLM). Each field's ``metadata["help"]`` says what it sets."""
 
-    model: str | None = None  # None: the shipped tiny-qwen3
-    steps: int = 60
-    prompts_per_step: int = 8
-    group_size: int = 8
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    level: int = 3
-    engine: str = "reference"  # reference: roundalign.engine; vllm: a real vLLM in this process (rl/vllm.py)
-    enforce_eager: bool = False  # vllm: its enforce_eager mode
-    engine_profile: str = "vllm"
-    engine_backend: str = "kernels"
-    trainer_profile: str = TRAINER_SAME_AS_ENGINE
-    loss_type: str = "grpo"
-    inner_epochs: int = 1
-    clip_eps: float | None = None  # None: 0.2 for grpo; must stay None for reinforce
-    clip_eps_high: float | None = None
-    optimizer: str = "adamw"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0  # max total grad norm; 0 disables clipping
-    rollout_is: str = "none"
-    rollout_is_threshold: str | None = None
-    dtype: str = "bfloat16"
-    loss_scale: float = 2.0**16  # fp16 only: the initial dynamic loss scale
-    loss_scale_growth_interval: int = 400  # fp16 only: steps without overflow before the scale doubles (verl's)
-    sync: str = "rne"
-    loss_on_served: bool | None = None  # None: on for stochastic / error-feedback, off for rne
-    prefill_check: bool = False  # also compare the trainer with the engine's own prefill re-score, every step
-    eval_every: int = 10
-    eval_problems: int = 64
-    lag_window: int = 256
-    seed: int = 0
-    save_every: int = 0
-    extra: dict = field(default_factory=dict)  # free-form labels (compare's grid cell); never read by the loop
+    model: str | None = field(default=None, metadata={"help": "HF model directory (default: the shipped tiny-qwen3)"})
+    steps: int = field(default=60, metadata={"help": "training steps (default {default})"})
+    prompts_per_step: int = field(default=8, metadata={"help": "problems per step (default {default})"})
+    group_size: int = field(default=8, metadata={"help": "completions per problem (default {default})"})
+    max_tokens: int = field(default=64, metadata={"help": SAMPLING["max_tokens"].help})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature, > 0 (default {default})"})
+    top_p: float = field(default=1.0, metadata={"help": SAMPLING["top_p"].help})
+    level: int = field(default=3, metadata={"help": "arithmetic level of the training problems (default {default})"})
+    engine: str = field(
+        default="reference",
+        metadata={
+            "help": "who samples: reference (default: roundalign's CPU engine) or vllm (a real vLLM in this process; "
+            "run roundalign where it is installed, docs/kernels.md)"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "--engine vllm: its enforce_eager mode (default: compiled)"}
+    )
+    engine_profile: str = field(
+        default="vllm", metadata={"help": "the reference engine's rounding profile (default {default}; {profiles})"}
+    )
+    engine_backend: str = field(
+        default="kernels", metadata={"help": "the reference engine's numerics backend (default {default})"}
+    )
+    trainer_profile: str = field(
+        default=TRAINER_SAME_AS_ENGINE,
+        metadata={
+            "help": "the trainer's rounding profile: 'engine' (default: round where the engine does; with --engine "
+            "vllm, the build's profile with vLLM's kernels), hf (stock), aligned, or any of {profiles}"
+        },
+    )
+    loss_type: str = field(default="grpo", metadata={"help": "grpo (PPO-clip, default) or reinforce"})
+    inner_epochs: int = field(default=1, metadata={"help": "passes over each step's rollouts (default {default})"})
+    # None stands for 0.2 under grpo (resolved_clip_eps) and must stay None under reinforce, which does not clip.
+    clip_eps: float | None = field(default=None, metadata={"help": "PPO clip epsilon (default 0.2)"})
+    clip_eps_high: float | None = field(
+        default=None, metadata={"help": "upper clip epsilon (DAPO clip-higher; default: --clip-eps)"}
+    )
+    optimizer: str = field(default="adamw", metadata={"help": "adamw (default) or sgd"})
+    lr: float = field(default=1e-5, metadata={"help": "learning rate (default {default:g})"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay (default {default:g})"})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas (default 0.9,0.999)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max total gradient norm (default {default:g}; 0: off)"})
+    rollout_is: str = field(
+        default="none",
+        metadata={"help": "importance-sampling correction between sampler and trainer (default {default})"},
+    )
+    rollout_is_threshold: str | None = field(
+        default=None,
+        metadata={"help": "its bounds in verl's format, e.g. 2.0 or 0.5_2.0 (default per mode, docs/train.md)"},
+    )
+    dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "compute dtype of trainer and engine (default {default}; float16 is the Precision-RL baseline, "
+            "with dynamic loss scaling)"
+        },
+    )
+    loss_scale: float = field(
+        default=2.0**16, metadata={"help": "float16: initial dynamic loss scale (default {default:g})"}
+    )
+    loss_scale_growth_interval: int = field(
+        default=400,
+        metadata={
+            "help": "float16: steps without an overflow before the loss scale doubles (default {default}, verl's; "
+            "no train option)"
+        },
+    )
+    sync: str = field(
+        default="rne", metadata={"help": "how master weights are rounded for the engine each step (default {default})"}
+    )
+    loss_on_served: bool | None = field(
+        default=None,
+        metadata={
+            "help": "compute the trainer's forward on the served weights (default: on for stochastic and "
+            "error-feedback)"
+        },
+    )
+    prefill_check: bool = field(
+        default=False,
+        metadata={
+            "help": "also log the trainer's mismatch against the engine's prefill re-score of the same tokens "
+            "(prefill/*): the rounding-location gap without decode's attention shapes"
+        },
+    )
+    eval_every: int = field(
+        default=10, metadata={"help": "greedy held-out accuracy every N steps (default {default}; 0: never)"}
+    )
+    eval_problems: int = field(default=64, metadata={"help": "held-out problems per evaluation (default {default})"})
+    lag_window: int = field(
+        default=256,
+        metadata={"help": "steps of master history kept to estimate the served copy's lag (default {default})"},
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed for problems, sampling and stochastic export (default {default})"}
+    )
+    save_every: int = field(
+        default=0, metadata={"help": "checkpoint every N steps (default {default}: only at the end)"}
+    )
+    extra: dict = field(
+        default_factory=dict,
+        metadata={"help": "free-form labels (compare's grid cell); never read by the training loop; no train option"},
+    )
 
     # ----------------------------------------------------------------------------------------------------------
 
@@ -131,8 +203,7 @@ class TrainConfig:
                 f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
                 "completion of a group identical, so every advantage is 0 and nothing is learned"
             )
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p!r}")
+        check_sampling({"top_p": self.top_p})  # the range every command checks; temperature's is stricter here
         named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
         for name in named:
             try:
