@@ -42,7 +42,7 @@ from _machine import machine_info, write_json
 from model_step import MODELS, build_model, measure_peak, ratio_band
 
 import roundalign
-from roundalign.rl.vllm import trainer_profile
+from roundalign.engines.vllm.profile import trainer_profile
 
 VARIANTS = ("stock", "rounding", "exact")
 PASSES = ("train step", "first recompute", "recompute")

@@ -70,7 +70,7 @@ def compiled_forward_applies(engine_python) -> bool:
     CPU GEMM is torch's (AVX2). Elsewhere (Intel AMX, oneDNN bf16) ``apply`` must refuse it, naming the GEMM."""
     import subprocess
 
-    code = "from roundalign.rl.vllm import _torch_gemm; print(_torch_gemm())"
+    code = "from roundalign.engines.vllm.profile import torch_gemm; print(torch_gemm())"
     proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1] == "True"

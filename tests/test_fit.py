@@ -24,8 +24,8 @@ from roundalign.fit import DumpNotExplained, Space, fit, sign_test
 from roundalign.fit import search as fit_search
 from roundalign.fit.search import MAX_EXCESS
 from roundalign.fit.space import RULES
-from roundalign.probe.run import default_prompts
 from roundalign.profiles import Profile, get_profile
+from roundalign.prompts import default_prompts
 from roundalign.rollouts import Rollout, read_engine_logprobs, write_engine_logprobs
 from roundalign.trainer import TrainerSide, load_trainer_model
 from tests import models as test_models

@@ -176,3 +176,31 @@ def test_shipped_model_acceptance():
     assert stock["mismatch/bitwise_equal_frac"] < 1.0 and stock["rollout_corr/k3_kl"] > 0.0
     # a peaked model, as a real LM: mean entropy of the sampled positions far below log(vocab)
     assert report["tokens"]["mean_entropy_nats"] < 0.25 * report["tokens"]["log_vocab"]
+
+
+def test_the_run_advances_through_the_planned_stages_exactly(model_dir):
+    from roundalign.probe.run import _Stages, stages
+
+    cfg = ProbeConfig(
+        model=str(model_dir),
+        engine_profile="vllm",
+        trainer_profiles=("hf", "vllm"),
+        backends=("kernels",),
+        prompts=_prompts(),
+        num_samples=2,
+        max_tokens=4,
+        layer_sequences=1,
+    ).validate()
+    seen = []
+    run_probe(cfg, lambda description, total: seen.append((description, total)))
+    planned = stages(cfg)
+    assert [d for d, _ in seen] == planned
+    assert {t for _, t in seen} == {len(planned)}
+    assert planned[0] == "loading the model" and planned[-1] == "decode shapes (attention vs matmul)"
+    assert "region attribution (hf -> vllm)" in planned and "region attribution (vllm -> vllm)" not in planned
+    tick = _Stages(["a", "b"], None)
+    tick("a")
+    with pytest.raises(RuntimeError, match="ran 'c', but stages\\(\\) planned 'b'"):
+        tick("c")
+    with pytest.raises(RuntimeError, match="ran 1 of the 2 stages"):
+        tick.finish()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from roundalign import models
-from roundalign.dump.cli import DumpConfig
-from roundalign.dump.launch import run_dump
+from roundalign.engines.dump import DumpConfig
+from roundalign.engines.launch import run_dump
 from roundalign.rollouts.dumpdir import read_dump
 from tests.wide_model import build as build_qwen3
 from tests.wide_model import build_llama

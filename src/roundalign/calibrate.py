@@ -3,7 +3,7 @@
     roundalign calibrate --engine vllm --model PATH                      # vLLM's default (compiled) mode
     roundalign calibrate --engine vllm --enforce-eager --model PATH --out calibrate-eager
 
-Three measurements of the same engine, in its own Python (``roundalign.dump.launch``):
+Three measurements of the same engine, in its own Python (``roundalign.engines.launch``):
 
 1. **dump**: the engine samples ``--num-samples`` completions of ``--max-tokens`` tokens and scores them again in
    prefill (``roundalign dump``; about 2,000 tokens by default).
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roundalign.errors import ExitStatus, Failure, UserError
+from roundalign.options import SAMPLING, add_sampling_arguments, check_sampling, field_help, option
 
 RMS = "mismatch/log_ratio_rms"
 # 16 completions run to 125 tokens each (ignore_eos): 2,000 tokens, enough for the fit to decide what rounding does
@@ -48,24 +49,32 @@ class NotExplained(Failure):
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """``roundalign calibrate``'s options (``--max-tokens`` is ``max_tokens``)."""
+    """``roundalign calibrate``'s options (``--max-tokens`` is ``max_tokens``); each field's ``metadata["help"]`` is
+    its option's help (``{default}``: the default shown)."""
 
-    engine: str = "vllm"
-    enforce_eager: bool = False
-    model: str | None = None  # None: the shipped tiny-qwen3
-    out: str = "calibrate-out"
-    engine_python: str | None = None
-    num_samples: int | None = None  # None here and below: DUMP_DEFAULTS, when calibrate runs the dump
-    max_tokens: int | None = None
-    seed: int | None = None
-    device: str = "cpu"  # where the trainer side's forwards run
-    name: str | None = None  # None: calibrated-<engine>-<version>-<device>[-eager]
-    dump: str | None = None  # an existing roundalign dump directory of this engine and mode, instead of a new dump
+    engine: str = option("vllm", "the engine to measure (its Python: --engine-python)")
+    enforce_eager: bool = option(False, "measure vLLM's enforce_eager mode (default: its compiled mode)")
+    model: str | None = option(None, "HF model directory the engine serves (default: the shipped tiny-qwen3)")
+    out: str = option("calibrate-out", "where the profile and the evidence go (default {default})")
+    engine_python: str | None = option(
+        None, "the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one)"
+    )
+    # num_samples, max_tokens, seed: None is DUMP_DEFAULTS, when calibrate runs the dump
+    num_samples: int | None = option(None, "completions in the dump (default {default})")
+    max_tokens: int | None = option(None, "tokens per completion, each run to the end (default {default})")
+    seed: int | None = option(None, SAMPLING["seed"].help)
+    device: str = option("cpu", "where the trainer side's forwards run (default {default})")
+    name: str | None = option(None, "the profile's name (default calibrated-ENGINE-VERSION-DEVICE[-eager])")
+    dump: str | None = option(
+        None,
+        "use this roundalign dump directory (same engine and mode) instead of running a new dump; "
+        "--num-samples, --max-tokens and --seed then do not apply",
+    )
 
     def validate(self) -> CalibrateConfig:
         from dataclasses import replace
 
-        from roundalign.dump.launch import engine_python
+        from roundalign.engines.launch import engine_python
         from roundalign.trainer import check_device
 
         if self.engine != "vllm":
@@ -77,8 +86,7 @@ class CalibrateConfig:
         if self.dump is not None and given:
             raise UserError(f"--dump reuses a dump, so {', '.join(given)} would be ignored; drop them")
         sizes = {k: DUMP_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in DUMP_DEFAULTS}
-        if sizes["num_samples"] <= 0 or sizes["max_tokens"] <= 0:
-            raise UserError("--num-samples and --max-tokens must be positive")
+        check_sampling(sizes)
         from roundalign import models
 
         model = self.model or str(models.path())  # the shipped tiny-qwen3
@@ -100,31 +108,26 @@ class CalibrateConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = CalibrateConfig()
-    a = parser.add_argument
-    a("--engine", required=True, choices=("vllm",), help="the engine to measure (its Python: --engine-python)")
-    a("--enforce-eager", action="store_true", help="measure vLLM's enforce_eager mode (default: its compiled mode)")
-    a("--model", metavar="PATH", help="HF model directory the engine serves (default: the shipped tiny-qwen3)")
-    a("--out", metavar="DIR", default=d.out, help=f"where the profile and the evidence go (default {d.out})")
-    a(
-        "--engine-python",
-        metavar="PATH",
-        help="the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one)",
+
+    def a(name: str, **kw) -> None:
+        parser.add_argument(f"--{name.replace('_', '-')}", help=field_help(CalibrateConfig, name), **kw)
+
+    a("engine", required=True, choices=("vllm",))
+    a("enforce_eager", action="store_true")
+    a("model", metavar="PATH")
+    a("out", metavar="DIR", default=d.out)
+    a("engine_python", metavar="PATH")
+    # No argparse defaults: a dump size given with --dump is an error, so "not given" must show. The help shows
+    # DUMP_DEFAULTS (filled in here: add_sampling_arguments would show its own defaults for a None default).
+    add_sampling_arguments(
+        parser.add_argument,
+        names=tuple(DUMP_DEFAULTS),
+        defaults=dict.fromkeys(DUMP_DEFAULTS),
+        help={k: field_help(CalibrateConfig, k, default=v) for k, v in DUMP_DEFAULTS.items()},
     )
-    a("--num-samples", type=int, help=f"completions in the dump (default {DUMP_DEFAULTS['num_samples']})")
-    a(
-        "--max-tokens",
-        type=int,
-        help=f"tokens per completion, each run to the end (default {DUMP_DEFAULTS['max_tokens']})",
-    )
-    a("--seed", type=int, help="sampling seed (default 0)")
-    a("--device", default=d.device, metavar="DEV", help="where the trainer side's forwards run (default cpu)")
-    a("--name", help="the profile's name (default calibrated-ENGINE-VERSION-DEVICE[-eager])")
-    a(
-        "--dump",
-        metavar="DIR",
-        help="use this roundalign dump directory (same engine and mode) instead of running a new dump; "
-        "--num-samples, --max-tokens and --seed then do not apply",
-    )
+    a("device", default=d.device, metavar="DEV")
+    a("name")
+    a("dump", metavar="DIR")
 
 
 def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
@@ -135,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
 
 def _fingerprint(cfg: CalibrateConfig, out: Path, device: str, log) -> dict:
     """The battery shaped like the model, through the engine's layers in this mode; the reader's entry."""
-    from roundalign.dump.launch import EngineFailed
+    from roundalign.engines.launch import EngineFailed
     from roundalign.fingerprint.battery import model_constants, save_battery
     from roundalign.fingerprint.reader import load_results, read_results
 
@@ -202,13 +205,13 @@ def _score(model, rollouts, refs: dict, profiles: dict) -> dict:
 
 def calibrate(cfg: CalibrateConfig, log=print) -> dict:
     """Run the three measurements, write the profile and the evidence; returns calibration.json's content."""
-    from roundalign.dump.cli import DumpConfig
-    from roundalign.dump.launch import run_dump
     from roundalign.engine.loader import read_tokenizer
+    from roundalign.engines.dump import DumpConfig
+    from roundalign.engines.launch import run_dump
     from roundalign.fit.search import DumpNotExplained, fit
     from roundalign.fit.space import Candidate, Space
-    from roundalign.probe.run import _tokenize, default_prompts
     from roundalign.profiles import describe_engine, for_engine, get_profile
+    from roundalign.prompts import default_prompts, token_ids
     from roundalign.rollouts import Rollout
     from roundalign.rollouts.dumpdir import read_dump
     from roundalign.trainer import load_trainer_model
@@ -220,7 +223,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
     dump_dir = Path(cfg.dump) if cfg.dump else out / "dump"
     seconds = {"dump": 0.0}
     if cfg.dump is None:
-        ids = _tokenize(default_prompts(cfg.num_samples, cfg.seed), read_tokenizer(Path(cfg.model)))
+        ids = token_ids(default_prompts(cfg.num_samples, cfg.seed), read_tokenizer(Path(cfg.model)))
         dump_cfg = DumpConfig(
             engine=cfg.engine, model=cfg.model, out=str(dump_dir), enforce_eager=cfg.enforce_eager,
             num_samples=cfg.num_samples, max_tokens=cfg.max_tokens, seed=cfg.seed, ignore_eos=True,

@@ -17,65 +17,40 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from roundalign.errors import ExitStatus, MissingFile, UserError
+from roundalign.options import field_help, option
 
 STATUS_STYLE = {"determined": "green", "indistinguishable": "yellow", "ambiguous": "yellow", "no_rule": "red"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="fingerprint_command", metavar="make|read|runner", required=True)
-    make = sub.add_parser("make", help="write the battery's inputs", description="write the battery's inputs")
-    make.add_argument("--out", default="battery.pt", metavar="PATH", help="where to write it (default battery.pt)")
-    make.add_argument("--json", action="store_true", help="print the case list as JSON instead of a table")
-    make.add_argument(
-        "--model",
-        metavar="PATH",
-        help="also add cases shaped like this model (a local directory with config.json; 'shipped' "
-        "for roundalign's tiny-qwen3): its head_dim, RoPE theta, eps, hidden and MLP sizes",
-    )
-    runner = sub.add_parser(
-        "runner",
-        help="copy out the standalone runner script",
-        description="copy out the script that runs the battery on the engine's machine",
-    )
-    runner.add_argument(
-        "--out", default="run_fingerprint.py", metavar="PATH", help="where to write it (default run_fingerprint.py)"
-    )
-    read = sub.add_parser(
-        "read",
-        help="name the rule per region and mode",
-        description="name each region's rounding rule per mode, with the evidence",
-    )
-    read.add_argument("results", help="results.pt written by the runner")
-    read.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    read.add_argument(
-        "--profile-out",
-        nargs=2,
-        metavar=("MODE", "PATH"),
-        help="write a Profile JSON for MODE (eager or compiled) when every region is determined",
-    )
-    read.add_argument(
-        "--residual",
-        metavar="RULE",
-        help="the residual rule for --profile-out when the op level cannot tell it "
-        "(round_at_attention or never_round, e.g. from `roundalign fit`)",
-    )
+# The default --out of each action that writes a file (the config's own default is None: read writes none).
+OUT_DEFAULTS = {"make": "battery.pt", "runner": "run_fingerprint.py"}
 
 
 @dataclass(frozen=True)
 class FingerprintConfig:
     """``roundalign fingerprint``'s options: the action (make, runner, read) and that action's own options."""
 
-    action: str
-    out: str | None = None  # make, runner
-    json: bool = False  # make, read
-    model: str | None = None  # make
-    results: str | None = None  # read
-    profile_out: tuple[str, str] | None = None  # read
-    residual: str | None = None  # read
+    action: str = field(metadata={"help": "make, runner or read (the subcommand)"})
+    out: str | None = option(None, "where to write it (default {default})")  # make, runner
+    json: bool = option(False, "print {what} instead of {tables}")  # make, read (each fills in what and tables)
+    model: str | None = option(
+        None,
+        "also add cases shaped like this model (a local directory with config.json; 'shipped' "
+        "for roundalign's tiny-qwen3): its head_dim, RoPE theta, eps, hidden and MLP sizes",
+    )  # make
+    results: str | None = option(None, "results.pt written by the runner")  # read
+    profile_out: tuple[str, str] | None = option(
+        None, "write a Profile JSON for MODE (eager or compiled) when every region is determined"
+    )  # read
+    residual: str | None = option(
+        None,
+        "the residual rule for --profile-out when the op level cannot tell it "
+        "(round_at_attention or never_round, e.g. from `roundalign fit`)",
+    )  # read
 
     def validate(self) -> FingerprintConfig:
         if self.action not in ("make", "runner", "read"):
@@ -88,9 +63,38 @@ class FingerprintConfig:
                     "--residual only fills in the profile that --profile-out writes; add --profile-out MODE PATH"
                 )
         elif Path(self.out).is_dir():
-            name = "battery.pt" if self.action == "make" else "run_fingerprint.py"
+            name = OUT_DEFAULTS[self.action]
             raise UserError(f"--out {self.out} is a directory; give a file name such as {Path(self.out) / name}")
         return self
+
+
+def _help(name: str, **fmt) -> str:
+    return field_help(FingerprintConfig, name, **fmt)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="fingerprint_command", metavar="make|read|runner", required=True)
+    make = sub.add_parser("make", help="write the battery's inputs", description="write the battery's inputs")
+    out = OUT_DEFAULTS["make"]
+    make.add_argument("--out", default=out, metavar="PATH", help=_help("out", default=out))
+    make.add_argument("--json", action="store_true", help=_help("json", what="the case list as JSON", tables="a table"))
+    make.add_argument("--model", metavar="PATH", help=_help("model"))
+    runner = sub.add_parser(
+        "runner",
+        help="copy out the standalone runner script",
+        description="copy out the script that runs the battery on the engine's machine",
+    )
+    out = OUT_DEFAULTS["runner"]
+    runner.add_argument("--out", default=out, metavar="PATH", help=_help("out", default=out))
+    read = sub.add_parser(
+        "read",
+        help="name the rule per region and mode",
+        description="name each region's rounding rule per mode, with the evidence",
+    )
+    read.add_argument("results", help=_help("results"))
+    read.add_argument("--json", action="store_true", help=_help("json", what="JSON", tables="tables"))
+    read.add_argument("--profile-out", nargs=2, metavar=("MODE", "PATH"), help=_help("profile_out"))
+    read.add_argument("--residual", metavar="RULE", help=_help("residual"))
 
 
 def config_from_args(args: argparse.Namespace) -> FingerprintConfig:

@@ -16,76 +16,50 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from roundalign.errors import ExitStatus, MissingFile, UserError, flag
+from roundalign.options import field_help, option
 
 SCREEN_TOKENS, PRUNE_Z = 512, 5.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.fit.search import MAX_EXCESS
-
-    a = parser.add_argument
-    a(
-        "--engine-logprobs",
-        metavar="FILE",
-        required=True,
-        help="the engine's dump: a directory written by roundalign dump (its prefill.jsonl is fitted), or a JSONL "
-        "file of {prompt_token_ids, token_ids, logprobs} lines (docs/real-engines.md, docs/fit.md)",
-    )
-    a("--model", metavar="PATH", help="the HF model directory the engine served (default: the shipped tiny-qwen3)")
-    a("--out", metavar="DIR", default="fit-out", help="where profile.json and report.json go (default fit-out)")
-    a(
-        "--device",
-        default="cpu",
-        metavar="DEV",
-        help="where the trainer model runs the candidates' forwards: cpu (default), cuda, cuda:1, ... A GPU makes a "
-        "large model's fit minutes instead of hours, and its matmul kernels are closer to the engine's",
-    )
-    a("--exhaustive", action="store_true", help="score every candidate on every token (no pruning)")
-    a("--screen-tokens", type=int, metavar="N", help="tokens every candidate is scored on before pruning (default 512)")
-    a(
-        "--prune-z",
-        type=float,
-        metavar="Z",
-        help="drop a region's rule when the best beats it on the screen with sign-test z >= Z (default 5)",
-    )
-    a(
-        "--decide-z",
-        type=float,
-        default=3.0,
-        metavar="Z",
-        help="call a region determined when the best beats its other rules with z >= Z (default 3)",
-    )
-    a(
-        "--max-excess",
-        type=float,
-        default=MAX_EXCESS,
-        metavar="X",
-        help="refuse a dump farther from the best candidate than X times what rounding rules and kernels do to the "
-        f"same tokens (default {MAX_EXCESS:g}; docs/fit.md)",
-    )
-    a("--top", type=int, default=10, metavar="N", help="candidates to list (default 10)")
-    a("--json", action="store_true", help="print report.json instead of the tables")
-
-
 @dataclass(frozen=True)
 class FitConfig:
-    """``roundalign fit``'s options, one field per option (``--screen-tokens`` is ``screen_tokens``)."""
+    """``roundalign fit``'s options, one field per option (``--screen-tokens`` is ``screen_tokens``); each field's
+    ``metadata["help"]`` is its option's help (``{default}``: the default shown)."""
 
-    engine_logprobs: str
-    model: str | None = None
-    out: str = "fit-out"
-    device: str = "cpu"
-    exhaustive: bool = False
-    screen_tokens: int | None = None  # None: SCREEN_TOKENS, unless --exhaustive
-    prune_z: float | None = None  # None: PRUNE_Z, unless --exhaustive
-    decide_z: float = 3.0
-    max_excess: float | None = None  # None: roundalign.fit.search.MAX_EXCESS
-    top: int = 10
-    json: bool = False
+    engine_logprobs: str = field(
+        metadata={
+            "help": "the engine's dump: a directory written by roundalign dump (its prefill.jsonl is fitted), or a "
+            "JSONL file of {{prompt_token_ids, token_ids, logprobs}} lines (docs/real-engines.md, docs/fit.md)"
+        }
+    )
+    model: str | None = option(None, "the HF model directory the engine served (default: the shipped tiny-qwen3)")
+    out: str = option("fit-out", "where profile.json and report.json go (default {default})")
+    device: str = option(
+        "cpu",
+        "where the trainer model runs the candidates' forwards: cpu (default), cuda, cuda:1, ... A GPU makes a "
+        "large model's fit minutes instead of hours, and its matmul kernels are closer to the engine's",
+    )
+    exhaustive: bool = option(False, "score every candidate on every token (no pruning)")
+    screen_tokens: int | None = option(  # None: SCREEN_TOKENS, unless --exhaustive
+        None, "tokens every candidate is scored on before pruning (default {default})"
+    )
+    prune_z: float | None = option(  # None: PRUNE_Z, unless --exhaustive
+        None, "drop a region's rule when the best beats it on the screen with sign-test z >= Z (default {default})"
+    )
+    decide_z: float = option(
+        3.0, "call a region determined when the best beats its other rules with z >= Z (default {default})"
+    )
+    max_excess: float | None = option(  # None: roundalign.fit.search.MAX_EXCESS
+        None,
+        "refuse a dump farther from the best candidate than X times what rounding rules and kernels do to the "
+        "same tokens (default {default}; docs/fit.md)",
+    )
+    top: int = option(10, "candidates to list (default {default})")
+    json: bool = option(False, "print report.json instead of the tables")
 
     def validate(self) -> FitConfig:
         from roundalign.fit.search import MAX_EXCESS
@@ -111,6 +85,30 @@ class FitConfig:
         if cfg.top <= 0:
             raise UserError(f"--top must be positive, got {cfg.top}")
         return cfg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from roundalign.fit.search import MAX_EXCESS
+
+    d = FitConfig(engine_logprobs="")
+    # the defaults the help shows: the None fields' (filled in by validate()), and the floats without a trailing .0
+    shown = {"screen_tokens": SCREEN_TOKENS, "prune_z": PRUNE_Z, "decide_z": d.decide_z, "max_excess": MAX_EXCESS}
+
+    def a(name: str, **kw) -> None:
+        fmt = {"default": f"{shown[name]:g}"} if name in shown else {}
+        parser.add_argument(flag(name), help=field_help(FitConfig, name, **fmt), **kw)
+
+    a("engine_logprobs", metavar="FILE", required=True)
+    a("model", metavar="PATH")
+    a("out", metavar="DIR", default=d.out)
+    a("device", default=d.device, metavar="DEV")
+    a("exhaustive", action="store_true")
+    a("screen_tokens", type=int, metavar="N")
+    a("prune_z", type=float, metavar="Z")
+    a("decide_z", type=float, default=d.decide_z, metavar="Z")
+    a("max_excess", type=float, default=MAX_EXCESS, metavar="X")
+    a("top", type=int, default=d.top, metavar="N")
+    a("json", action="store_true")
 
 
 def config_from_args(args: argparse.Namespace) -> FitConfig:

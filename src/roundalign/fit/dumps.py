@@ -42,7 +42,7 @@ def reference_dump(
     """Completions totalling at least ``tokens`` tokens, scored by the reference engine under ``profile``."""
     from roundalign import models
     from roundalign.engine import Engine, SamplingParams
-    from roundalign.probe.run import default_prompts
+    from roundalign.prompts import default_prompts
 
     if mode not in MODES:
         raise UserError(f"unknown dump mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -46,8 +46,15 @@ import hashlib
 import torch
 
 from roundalign.engine import BACKENDS, Engine, SamplingParams
-from roundalign.integrations import trl_logprobs, trl_metrics
-from roundalign.integrations.trl_policy import check_not_sharded, check_trainer, patch_policy, unwrap_policy
+from roundalign.integrations import trl_metrics
+from roundalign.integrations.seams import TRL_IS_BRANCH, check_source
+from roundalign.integrations.trl_policy import (
+    check_not_sharded,
+    check_trainer,
+    install_for_trainer,
+    patch_policy,
+    unwrap_policy,
+)
 from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.profiles import Profile, get_profile
 from roundalign.sync import MODES, UpdateTracker
@@ -148,7 +155,9 @@ class EngineRolloutFunc:
         if self.trainer is not None:
             raise ValueError("this EngineRolloutFunc is already attached to another trainer; make one per trainer")
         check_trainer(trainer)
-        trl_logprobs.install_for_trainer(trainer)  # an engine-kernel policy scores as the engine does
+        for name, needles in TRL_IS_BRANCH:  # the hook below has no documented seam (integrations/seams.py)
+            check_source(getattr(type(trainer), name), needles, "the vLLM branch's IS correction", "TRL")
+        install_for_trainer(trainer)  # an engine-kernel policy scores as the engine does
         if trainer.rollout_func is None:
             trainer.rollout_func = self
         elif trainer.rollout_func is not self:
@@ -266,7 +275,7 @@ def log_mismatch(
     per-region attribution) on a trainer whose sampler is not an ``EngineRolloutFunc``: TRL's own vLLM
     (``use_vllm=True``), whose log-probs TRL hands back as ``sampling_per_token_logps``. ``engine_profile`` names
     the vLLM server's numerics, the target of the attribution. ``EngineRolloutFunc.attach`` does this itself."""
-    trl_logprobs.install_for_trainer(trainer)
+    install_for_trainer(trainer)
     logger = trl_metrics.MismatchLogger(get_profile(engine_profile), attribution_every, get_profile(attribution_base))
     logger.install(trainer)
     return logger

@@ -134,21 +134,3 @@ def install(model, temperature: float) -> None:
         return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, label_mask=mask)
 
     model.forward = types.MethodType(forward, model)
-
-
-def install_for_trainer(trainer) -> list:
-    """``install`` on the trainer's policy and reference model where their profile runs engine kernels; returns the
-    models it installed on."""
-    import roundalign
-    from roundalign.integrations.trl_policy import unwrap_policy
-
-    done = []
-    for model in (trainer.model, getattr(trainer, "ref_model", None)):
-        if model is None:
-            continue
-        model = unwrap_policy(model)
-        profile = roundalign.patched_profile(model)
-        if profile is not None and profile.uses_engine_kernels:
-            install(model, trainer.temperature)
-            done.append(model)
-    return done

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 import roundalign
+from roundalign.extras import require
+from roundalign.integrations import trl_logprobs
 from roundalign.profiles import Profile, get_profile
 
-__all__ = ["check_not_sharded", "check_trainer", "patch_policy", "unwrap_policy"]
+__all__ = ["check_not_sharded", "check_trainer", "install_for_trainer", "patch_policy", "unwrap_policy"]
 
 
 def _is_trainer(obj) -> bool:
@@ -71,20 +73,30 @@ def patch_policy(model_or_trainer, profile: str | Profile = "vllm", **region_ove
     for _, model in targets:
         roundalign.apply(model, prof, allow_non_bf16=True, **region_overrides)
     if _is_trainer(model_or_trainer):  # built already: TRL's fused head is in place to be replaced
-        from roundalign.integrations import trl_logprobs
-
-        trl_logprobs.install_for_trainer(model_or_trainer)
+        install_for_trainer(model_or_trainer)
     return targets[0][1]
+
+
+def install_for_trainer(trainer) -> list:
+    """``trl_logprobs.install`` on the trainer's policy and reference model where their profile runs engine kernels;
+    returns the models it installed on."""
+    done = []
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        model = unwrap_policy(model)
+        profile = roundalign.patched_profile(model)
+        if profile is not None and profile.uses_engine_kernels:
+            trl_logprobs.install(model, trainer.temperature)
+            done.append(model)
+    return done
 
 
 def check_trainer(trainer) -> None:
     """Refuse what the engine cannot honour, naming the setting and the fix; nothing is silently ignored."""
-    try:
-        from trl import GRPOTrainer
-    except ImportError as e:  # pragma: no cover - the [trl] extra is missing
-        raise ImportError(
-            "roundalign.integrations.trl needs TRL 1.16: pip install -e '.[trl]' in your roundalign clone"
-        ) from e
+    require("trl", "roundalign.integrations.trl")
+    from trl import GRPOTrainer
+
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"EngineRolloutFunc attaches to a trl.GRPOTrainer, got {type(trainer).__name__}")
     args = trainer.args

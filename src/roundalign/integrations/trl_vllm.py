@@ -3,8 +3,8 @@
 TRL 1.16's own vLLM path supports vLLM 0.22 to 0.31 (``trl.import_utils.is_vllm_available`` warns outside that
 range) and its colocated mode is written for GPUs, so roundalign brings vLLM in as a ``rollout_func`` instead: the
 same hook as ``EngineRolloutFunc`` (TRL's IS correction, ``sampling/*`` and roundalign's metrics on the sampler's
-log-probs; docs/trl.md), with ``roundalign.rl.vllm.VllmEngine`` (a ``vllm.LLM`` driven as ``roundalign train
---engine vllm`` drives it) in place of the reference engine::
+log-probs; docs/trl.md), with ``roundalign.engines.vllm.inprocess.VllmEngine`` (a ``vllm.LLM`` driven as
+``roundalign train --engine vllm`` drives it) in place of the reference engine::
 
     rollout = VllmRolloutFunc(model_dir, enforce_eager=True)      # starts vLLM first: it binds the threads
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -44,8 +44,8 @@ class VllmRolloutFunc(EngineRolloutFunc):
         enforce_eager: vLLM's eager mode, where the ``-kernels`` profile is exact (docs/kernels.md); False runs
             vLLM's default compiled mode.
         sync, seed, attribution_every, attribution_base, track_updates, lag_window: as ``EngineRolloutFunc``.
-        engine: an already started ``roundalign.rl.vllm.VllmEngine`` on ``model_dir`` to reuse (one vLLM per
-            process is what fits in memory); by default one is started here.
+        engine: an already started ``roundalign.engines.vllm.inprocess.VllmEngine`` on ``model_dir`` to reuse (one
+            vLLM per process is what fits in memory); by default one is started here.
 
     ``trainer_profile`` is the profile that makes the policy exact against this build (its ``-kernels`` profile);
     ``engine_profile`` (the metrics' target) is the same.
@@ -64,7 +64,8 @@ class VllmRolloutFunc(EngineRolloutFunc):
         lag_window: int = 256,
         engine=None,
     ) -> None:
-        from roundalign.rl.vllm import VllmEngine, trainer_profile
+        from roundalign.engines.vllm.inprocess import VllmEngine
+        from roundalign.engines.vllm.profile import trainer_profile
 
         self.trainer_profile = trainer_profile(enforce_eager)
         super().__init__(

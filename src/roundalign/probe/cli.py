@@ -13,110 +13,41 @@ into ``--out``. Bad input exits with status 2 and a message that names the probl
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from roundalign.errors import MissingFile, UserError
+from roundalign.errors import UserError
+from roundalign.options import field_help
 from roundalign.profiles import list_profiles
+from roundalign.prompts import read_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from roundalign.probe.run import SAMPLING_DEFAULTS as d
+    from roundalign.engines import ENGINES
+    from roundalign.options import add_sampling_arguments
+    from roundalign.probe.run import SAMPLING_DEFAULTS, ProbeConfig
 
-    a = parser.add_argument
-    a("--model", metavar="PATH", help="HF model directory (default: the shipped tiny-qwen3)")
-    a(
-        "--engine-profile",
-        metavar="NAME",
-        help="the engine's rounding profile: one of "
-        f"{', '.join(list_profiles())}, or a .json file (default: vllm; for a real engine, the built-in profile "
-        "of the build that ran, from its engine.json)",
-    )
-    a("--trainer-profiles", metavar="A,B", help="comma-separated trainer profiles (default: hf and the engine profile)")
-    a(
-        "--device",
-        default="cpu",
-        metavar="DEV",
-        help="where the trainer's forwards run: cpu (default), cuda, cuda:1, "
-        "...; the reference engine samples on the CPU",
-    )
-    a("--out", metavar="DIR", default="probe-out", help="where report.json and the plots go (default probe-out)")
-    a("--no-plots", action="store_true", help="skip the PNG plots")
+    def option(group, name: str, **kw) -> None:
+        default = SAMPLING_DEFAULTS.get(name, ProbeConfig.__dataclass_fields__[name].default)
+        text = field_help(ProbeConfig, name, default=default, profiles=", ".join(list_profiles()))
+        group.add_argument("--no-plots" if name == "plots" else f"--{name.replace('_', '-')}", help=text, **kw)
+
+    option(parser, "model", metavar="PATH")
+    option(parser, "engine_profile", metavar="NAME")
+    option(parser, "trainer_profiles", metavar="A,B")
+    option(parser, "device", default="cpu", metavar="DEV")
+    option(parser, "out", metavar="DIR", default="probe-out")
+    option(parser, "plots", action="store_true")
     g = parser.add_argument_group("a real engine: run it here, or read its dump")
-    g.add_argument(
-        "--engine",
-        choices=("vllm", "sglang"),
-        help="sample with this real engine, in its own Python (--engine-python), and score the same sequences in "
-        "its prefill: the trainer is compared with both (docs/real-engines.md)",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="with --engine vllm: its enforce_eager mode")
-    g.add_argument(
-        "--engine-python",
-        metavar="PATH",
-        help="the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one); "
-        "`make vllm` builds .venv-vllm/bin/python",
-    )
-    g.add_argument(
-        "--engine-logprobs",
-        metavar="PATH",
-        help="a real engine's dump instead of sampling: a directory written by roundalign dump (decode and prefill "
-        "references), or a JSONL file of {prompt_token_ids, token_ids, logprobs} lines (docs/real-engines.md); "
-        "the sampling options do not apply",
-    )
+    option(g, "engine", choices=ENGINES)
+    option(g, "enforce_eager", action="store_true")
+    option(g, "engine_python", metavar="PATH")
+    option(g, "engine_logprobs", metavar="PATH")
     g = parser.add_argument_group("sampling (the reference engine, or --engine)")
-    a = g.add_argument
-    a(
-        "--backends",
-        metavar="A,B",
-        help="engine numerics backends: kernels, inductor (default: every backend that "
-        "implements the engine profile; inductor implements vllm only)",
-    )
-    a(
-        "--prompts",
-        metavar="FILE",
-        help="one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)",
-    )
-    a(
-        "--num-samples",
-        type=int,
-        help=f"completions to sample; prompts are used round-robin (default {d['num_samples']})",
-    )
-    a("--max-tokens", type=int, help=f"max completion tokens (default {d['max_tokens']})")
-    a("--temperature", type=float, help=f"sampling temperature (default {d['temperature']}; 0 = greedy)")
-    a("--top-p", type=float, help=f"nucleus sampling, in (0, 1] (default {d['top_p']})")
-    a("--seed", type=int, help=f"sampling seed (default {d['seed']})")
-    a(
-        "--layer-sequences",
-        type=int,
-        metavar="N",
-        help="sequences the per-layer and decode-shape experiments run on "
-        f"(default {d['layer_sequences']}; 0 skips them)",
-    )
-
-
-def read_prompts(path: str | Path) -> list[str] | list[list[int]]:
-    """Prompts from a file: one per line, text or a JSON list of token ids. Blank lines are errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise MissingFile(f"prompt file {str(path)!r} does not exist")
-    lines = path.read_text().splitlines()
-    if not any(line.strip() for line in lines):
-        raise UserError(f"prompt file {str(path)!r} is empty; put one prompt per line")
-    prompts = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            raise UserError(f"{path}:{i}: blank line; every line is one prompt (remove it)")
-        if line.lstrip().startswith("["):
-            try:
-                ids = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{i}: looks like a token-id list but is not valid JSON: {exc}") from None
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise UserError(f"{path}:{i}: a token-id prompt must be a non-empty JSON list of integers")
-            prompts.append(ids)
-        else:
-            prompts.append(line)
-    return prompts
+    option(g, "backends", metavar="A,B")
+    option(g, "prompts", metavar="FILE")
+    # No argparse defaults: a sampling option given with --engine-logprobs is an error, so "not given" must show.
+    add_sampling_arguments(g.add_argument, defaults=dict.fromkeys(SAMPLING_DEFAULTS))
+    option(g, "layer_sequences", type=int, metavar="N")
 
 
 def _split(value: str | None, option: str) -> tuple[str, ...] | None:
@@ -161,7 +92,7 @@ def run(cfg) -> int:
     from roundalign.errors import ExitStatus
     from roundalign.probe import report as report_mod
     from roundalign.probe import table
-    from roundalign.probe.run import plan, run_probe
+    from roundalign.probe.run import run_probe, stages
     from roundalign.rollouts import write_engine_logprobs
 
     console = make_console()
@@ -174,14 +105,14 @@ def run(cfg) -> int:
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("starting", total=plan(cfg))
+        task = progress.add_task("starting", total=len(stages(cfg)))
         started = [False]
 
-        def step(description: str) -> None:
+        def step(description: str, total: int) -> None:
             if started[0]:
                 progress.advance(task)
             started[0] = True
-            progress.update(task, description=description)
+            progress.update(task, description=description, total=total)
 
         report, arrays = run_probe(cfg, step)
         progress.advance(task)

@@ -1,6 +1,6 @@
 """``run_probe``: sample with the reference engine (or read a real engine's dump), recompute as a trainer, compare.
 
-The steps, each one a progress tick:
+The stages, listed by ``stages(cfg)`` (which the run advances through, one progress step each):
 
 1. Load the model once. The trainer side keeps the bf16 HF model; every engine backend copies it into its own
    served copy and runs its own code (``roundalign.engine``), so agreement between the two sides is evidence.
@@ -27,63 +27,91 @@ from pathlib import Path
 
 import torch
 
+from roundalign.engines import ENGINES
 from roundalign.errors import UserError, flag
 from roundalign.numerics import attribution as attr
 from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
+from roundalign.options import SAMPLING, check_sampling, option
 from roundalign.probe.report import build_report
 from roundalign.profiles import Profile, describe_engine, for_engine, get_profile
+from roundalign.prompts import Prompts, default_prompts, round_robin, token_ids
 from roundalign.rollouts import Rollout
 from roundalign.rollouts.dumpdir import read_references
 from roundalign.trainer import TrainerSide, check_device, load_trainer_model
 
 DECODE_SHAPE_VARIANTS = ((), ("attention",), ("matmul",), ("attention", "matmul"))
 # What sampling takes when the user does not say; an import (--engine-logprobs) takes none of it.
-SAMPLING_DEFAULTS = {
-    "num_samples": 16,
-    "max_tokens": 48,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "seed": 0,
-    "layer_sequences": 4,
-}
+SAMPLING_DEFAULTS = {**{k: o.default for k, o in SAMPLING.items()}, "layer_sequences": 4}
 _SAMPLING_ONLY = (*SAMPLING_DEFAULTS, "prompts", "backends")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProbeConfig:
     """Everything ``roundalign probe`` takes; its options map one to one onto these fields (``--top-p`` is
-    ``top_p``). ``validate()`` returns a checked copy with the defaults that depend on other fields filled in."""
+    ``top_p``), and each field's help is the option's. ``validate()`` returns a checked copy with the defaults that
+    depend on other fields filled in; ``run_probe`` validates a config that was not validated yet, once."""
 
-    model: str | None = None  # None: the shipped tiny-qwen3
-    # None: vllm-reference-kernels (the reference engine), or the profile of the real engine that ran
-    # (profiles.for_engine).
-    engine_profile: str | None = None
-    # None: hf, the engine profile's rounding rules alone (when it names kernels) and the engine profile.
-    trainer_profiles: tuple[str, ...] | None = None
-    backends: tuple[str, ...] | None = None  # None: every backend that implements the engine profile
-    prompts: list[str] | list[list[int]] | None = None  # None: arithmetic word problems
-    num_samples: int | None = None  # None here and below: SAMPLING_DEFAULTS, when sampling
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    engine_logprobs: str | None = None  # a real engine's dump (JSONL file, or roundalign dump's directory)
-    engine: str | None = None  # run this real engine (vllm, sglang) to sample, instead of the reference engine
-    enforce_eager: bool = False  # with engine="vllm": vLLM's enforce_eager mode
-    engine_python: str | None = None  # the Python that runs the engine (roundalign.dump.launch.engine_python)
-    layer_sequences: int | None = None  # how many sequences the per-layer and decode-shape experiments run over
-    device: str = "cpu"  # where the trainer's forwards run
-    out: str = "probe-out"  # what the command line writes to (run_probe writes nothing)
-    plots: bool = True
-    notes: list[str] = field(default_factory=list)
+    model: str | None = option(None, "HF model directory (default: the shipped tiny-qwen3)")
+    engine_profile: str | None = option(
+        None,
+        "the engine's rounding profile: one of {profiles}, or a .json file (default: vllm-reference-kernels; for a "
+        "real engine, the built-in profile of the build that ran, from its engine.json)",
+    )
+    trainer_profiles: tuple[str, ...] | None = option(
+        None, "comma-separated trainer profiles (default: hf, the engine profile's rounding rules alone when it "
+        "names kernels, and the engine profile)"
+    )  # fmt: skip
+    backends: tuple[str, ...] | None = option(
+        None,
+        "engine numerics backends: kernels, inductor (default: every backend that implements the engine profile; "
+        "inductor implements vllm only)",
+    )
+    prompts: Prompts | None = option(
+        None, "one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)"
+    )
+    num_samples: int | None = option(None, SAMPLING["num_samples"].help)  # None here and below: SAMPLING_DEFAULTS
+    max_tokens: int | None = option(None, SAMPLING["max_tokens"].help)
+    temperature: float | None = option(None, SAMPLING["temperature"].help)
+    top_p: float | None = option(None, SAMPLING["top_p"].help)
+    seed: int | None = option(None, SAMPLING["seed"].help)
+    engine_logprobs: str | None = option(
+        None,
+        "a real engine's dump instead of sampling: a directory written by roundalign dump (decode and prefill "
+        "references), or a JSONL file of {{prompt_token_ids, token_ids, logprobs}} lines (docs/real-engines.md); "
+        "the sampling options do not apply",
+    )
+    engine: str | None = option(
+        None,
+        "sample with this real engine, in its own Python (--engine-python), and score the same sequences in its "
+        "prefill: the trainer is compared with both (docs/real-engines.md)",
+    )
+    enforce_eager: bool = option(False, "with --engine vllm: its enforce_eager mode")
+    engine_python: str | None = option(
+        None,
+        "the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one); "
+        "`make vllm` builds .venv-vllm/bin/python",
+    )
+    layer_sequences: int | None = option(
+        None, "sequences the per-layer and decode-shape experiments run on (default {default}; 0 skips them)"
+    )
+    device: str = option(
+        "cpu", "where the trainer's forwards run: cpu (default), cuda, cuda:1, ...; the reference engine samples on "
+        "the CPU"
+    )  # fmt: skip
+    out: str = option("probe-out", "where report.json and the plots go (default {default})")  # run_probe writes nothing
+    plots: bool = option(True, "skip the PNG plots")  # --no-plots
+    notes: tuple[str, ...] = ()
     # name -> Profile of every trainer profile, filled by validate(): a profile given as a .json path is known by
     # its name in the report.
-    profiles: dict[str, Profile] = field(default_factory=dict, repr=False)
+    profiles: dict[str, Profile] = field(default_factory=dict, repr=False, compare=False)
+    validated: bool = field(default=False, repr=False, compare=False)  # set by validate(): validated once
 
     def validate(self) -> ProbeConfig:
         """Check every field, in the command line's terms; an option the chosen mode ignores is an error."""
         from roundalign.engine import BACKENDS, backends_for, check_backend
 
+        if self.validated:
+            return self
         if self.engine is not None:
             return self._validate_real_engine()
         if self.enforce_eager or self.engine_python is not None:
@@ -96,6 +124,7 @@ class ProbeConfig:
         profiles = {p.name: p for p in given}
         fields = dict(
             self.__dict__,
+            validated=True,
             engine_profile=name,
             trainer_profiles=tuple(profiles),
             profiles=profiles,
@@ -117,14 +146,7 @@ class ProbeConfig:
         for b in backends:
             check_backend(b, engine)
         cfg = ProbeConfig(**{**fields, "backends": backends})
-        if cfg.num_samples <= 0:
-            raise UserError(f"--num-samples must be positive, got {cfg.num_samples}")
-        if cfg.max_tokens <= 0:
-            raise UserError(f"--max-tokens must be positive, got {cfg.max_tokens}")
-        if cfg.temperature < 0:
-            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
-        if not 0 < cfg.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+        check_sampling({k: getattr(cfg, k) for k in SAMPLING})
         if cfg.layer_sequences < 0:
             raise UserError(f"--layer-sequences must be >= 0, got {cfg.layer_sequences}")
         if cfg.prompts is not None and not cfg.prompts:
@@ -133,8 +155,7 @@ class ProbeConfig:
 
     def _validate_real_engine(self) -> ProbeConfig:
         """``--engine``: the real engine samples (in its own Python), then the run reads its dump directory."""
-        from roundalign.dump.cli import ENGINES
-        from roundalign.dump.launch import engine_python
+        from roundalign.engines.launch import engine_python
 
         if self.engine not in ENGINES:
             raise UserError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
@@ -150,21 +171,20 @@ class ProbeConfig:
         for p in (self.engine_profile, *(self.trainer_profiles or ())):
             if p is not None:
                 get_profile(self.profiles.get(p) or p)  # a wrong name fails now, not after the engine ran
-        fields = dict(self.__dict__, device=str(check_device(self.device)))
+        fields = dict(self.__dict__, device=str(check_device(self.device)), validated=True)
         for key, default in SAMPLING_DEFAULTS.items():
             if key != "layer_sequences":
                 fields[key] = default if fields[key] is None else fields[key]
         fields["engine_python"] = engine_python(self.engine, self.engine_python)
         cfg = ProbeConfig(**fields)
-        if cfg.num_samples <= 0 or cfg.max_tokens <= 0:
-            raise UserError("--num-samples and --max-tokens must be positive")
+        check_sampling({k: getattr(cfg, k) for k in SAMPLING})
         return cfg
 
     def after_dump(self, dump_dir: str | Path) -> ProbeConfig:
         """The same run, reading the dump the real engine wrote (its engine.json picks the default profile)."""
         sampling = {k: None for k in (*SAMPLING_DEFAULTS, "prompts")}
         fields = dict(self.__dict__, **sampling, engine=None, enforce_eager=False, engine_python=None)
-        return ProbeConfig(**{**fields, "engine_logprobs": str(dump_dir)}).validate()
+        return ProbeConfig(**{**fields, "engine_logprobs": str(dump_dir), "validated": False}).validate()
 
 
 def _default_engine_profile(engine_logprobs: str | None) -> str:
@@ -177,33 +197,6 @@ def _default_engine_profile(engine_logprobs: str | None) -> str:
 
         return for_engine(read_info(engine_logprobs))
     return "vllm" if engine_logprobs is not None else "vllm-reference-kernels"
-
-
-def default_prompts(n: int, seed: int) -> list[str]:
-    """Arithmetic word problems, easy to hard, as the shipped model was trained on them."""
-    from roundalign.tasks import arithmetic
-
-    levels = sorted(arithmetic.LEVELS)
-    per_level = [arithmetic.make_problems(n, level=lv, seed=seed + lv) for lv in levels]
-    return [arithmetic.format_prompt(per_level[i % len(levels)][i // len(levels)]) for i in range(n)]
-
-
-def _tokenize(prompts, tokenizer) -> list[list[int]]:
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise UserError(
-                    "the model directory has no tokenizer files, so text prompts cannot be encoded; add the "
-                    "tokenizer files or pass --prompts FILE with one JSON token-id list per line"
-                )
-            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        else:
-            ids = [int(t) for t in p]
-        if not ids:
-            raise UserError(f"prompt {i + 1} is empty")
-        out.append(ids)
-    return out
 
 
 def _shipped_model() -> Path:
@@ -228,12 +221,12 @@ def _import(cfg: ProbeConfig, config, tick, notes):
 
 def _run_engine(cfg: ProbeConfig, model_path: Path, tick) -> Path:
     """Sample with the real engine in its own Python; returns the dump directory (inside ``cfg.out``)."""
-    from roundalign.dump.cli import DumpConfig
-    from roundalign.dump.launch import run_dump
     from roundalign.engine.loader import read_tokenizer
+    from roundalign.engines.dump import DumpConfig
+    from roundalign.engines.launch import run_dump
 
     prompts = cfg.prompts if cfg.prompts is not None else default_prompts(cfg.num_samples, cfg.seed)
-    ids = _tokenize(prompts, read_tokenizer(model_path))  # the trainer's tokenizer: both sides see the same ids
+    ids = token_ids(prompts, read_tokenizer(model_path))  # the trainer's tokenizer: both sides see the same ids
     dump_dir = Path(cfg.out) / "engine-dump"
     dump = DumpConfig(
         engine=cfg.engine, model=str(model_path), out=str(dump_dir), enforce_eager=cfg.enforce_eager,
@@ -262,8 +255,7 @@ def _sample(cfg: ProbeConfig, hf_model, model_path: Path, engine_profile, tick, 
             f"{len(prompts)} prompts given, --num-samples {cfg.num_samples}: sampled the first "
             f"{cfg.num_samples} prompts only"
         )
-    ids = _tokenize(prompts, tokenizer)
-    batch = [ids[i % len(ids)] for i in range(cfg.num_samples)]
+    batch = round_robin(token_ids(prompts, tokenizer), cfg.num_samples)
     params = SamplingParams(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode="raw"
     )
@@ -350,15 +342,17 @@ def _decode_shapes(cfg, trainer, engine, rollouts, train, fp32, engine_profile, 
             "variants": variants}  # fmt: skip
 
 
-def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tuple[dict, dict]:
+def run_probe(cfg: ProbeConfig, step: Callable[[str, int], None] | None = None) -> tuple[dict, dict]:
     """Run the audit. Returns ``(report, arrays)``: the report dict (``roundalign.probe.report``), and the
-    per-token log-ratios per comparison label (for the histogram) and the rollouts. ``step(description)`` is called
-    before each stage, for a progress bar (``plan(cfg)`` says how many stages there are)."""
+    per-token log-ratios per comparison label (for the histogram) and the rollouts. ``step(description, total)`` is
+    called as each stage of ``stages(cfg)`` starts, for a progress bar (``total`` grows once a real engine's dump
+    says which profiles the run compares)."""
     cfg = cfg.validate()
-    tick = step or (lambda _desc: None)
+    tick = _Stages(stages(cfg), step)
     if cfg.engine is not None:
         model_path = Path(cfg.model) if cfg.model else _shipped_model()
         cfg = cfg.after_dump(_run_engine(cfg, model_path, tick))
+        tick.replan(stages(cfg))  # the dump's engine.json named the engine profile: the exact stages from here
     notes = list(cfg.notes)
 
     tick("loading the model")
@@ -435,20 +429,66 @@ def run_probe(cfg: ProbeConfig, step: Callable[[str], None] | None = None) -> tu
         decode_shapes=decode_shapes,
         notes=notes,
     )  # fmt: skip
+    tick.finish()
     return report, {"log_ratios": arrays, "rollouts": rollouts}
 
 
-def plan(cfg: ProbeConfig) -> int:
-    """How many times ``run_probe`` calls ``step``: the length of the progress bar."""
+def stages(cfg: ProbeConfig) -> list[str]:
+    """Every stage ``run_probe`` runs, in order, as its progress bar names them. The run advances through this
+    list and fails if it runs a stage the list does not have, so the two cannot drift apart. For a real engine the
+    stages after its dump are an estimate until its engine.json names the engine profile (``run_probe`` replans)."""
     cfg = cfg.validate()
-    if cfg.engine is not None:  # the profiles are known once the engine ran; by default hf and the engine's
-        given = cfg.trainer_profiles or ("hf", None)
-        return 1 + 1 + 1 + 1 + len(given) + sum(p != cfg.engine_profile for p in given)
+    if cfg.engine is not None:
+        mode = " --enforce-eager" if cfg.enforce_eager else ""
+        engine = cfg.engine_profile or "the engine's profile"
+        given = cfg.trainer_profiles or ("hf", engine)
+        return [
+            f"running {cfg.engine}{mode}: {cfg.num_samples} completions, then prefill (its own Python)",
+            "loading the model",
+            "reading the engine's log-probs",
+            "trainer log-probs (fp32 reference)",
+            *(f"trainer log-probs ({p})" for p in given),
+            *(f"region attribution ({p} -> {engine})" for p in given if p != engine),
+        ]
     engine = get_profile(cfg.engine_profile)
-    n_attr = sum(cfg.profiles[p] != engine for p in cfg.trainer_profiles)
+    trainers = [
+        *(f"trainer log-probs ({p})" for p in cfg.trainer_profiles),
+        *(f"region attribution ({p} -> {engine.name})" for p in cfg.trainer_profiles if cfg.profiles[p] != engine),
+    ]
+    fp32 = "trainer log-probs (fp32 reference)"
     if cfg.engine_logprobs is not None:
-        return 1 + 1 + 1 + len(cfg.trainer_profiles) + n_attr
-    b = len(cfg.backends)
-    layers = b if cfg.layer_sequences else 0
-    decode = 1 if "kernels" in cfg.backends and cfg.layer_sequences else 0
-    return 1 + b + 1 + b + 1 + len(cfg.trainer_profiles) + n_attr + layers + decode
+        return ["loading the model", "reading the engine's log-probs", fp32, *trainers]
+    first, layers = cfg.backends[0], cfg.layer_sequences
+    return [
+        "loading the model",
+        *(f"building the {b} engine" for b in cfg.backends),
+        f"sampling {cfg.num_samples} completions ({first} backend)",
+        *(f"engine references ({b}: decode, prefill)" for b in cfg.backends),
+        fp32,
+        *trainers,
+        *(f"per-layer hidden states ({b})" for b in cfg.backends if layers),
+        *(["decode shapes (attention vs matmul)"] if layers and "kernels" in cfg.backends else []),
+    ]
+
+
+class _Stages:
+    """The run's cursor in ``stages(cfg)``: each ``tick(description)`` must be the next planned stage."""
+
+    def __init__(self, planned: list[str], step: Callable[[str, int], None] | None):
+        self.planned, self.done, self.step = list(planned), 0, step
+
+    def __call__(self, description: str) -> None:
+        planned = self.planned[self.done] if self.done < len(self.planned) else None
+        if description != planned:
+            raise RuntimeError(f"probe stage {self.done + 1}: ran {description!r}, but stages() planned {planned!r}")
+        self.done += 1
+        if self.step is not None:
+            self.step(description, len(self.planned))
+
+    def replan(self, remaining: list[str]) -> None:
+        """The stages from here on, replacing the estimate (``remaining`` starts where the run now is)."""
+        self.planned = self.planned[: self.done] + remaining
+
+    def finish(self) -> None:
+        if self.done != len(self.planned):
+            raise RuntimeError(f"probe ran {self.done} of the {len(self.planned)} stages stages() planned")

@@ -80,7 +80,7 @@ class Run:
         self.config, self.out = config, out
         self.model_dir = Path(config.model) if config.model else model_path("tiny-qwen3")
         if config.engine == "vllm":  # started first: it binds this process's threads, which the trainer then shares
-            from roundalign.rl.vllm import VllmEngine
+            from roundalign.engines.vllm.inprocess import VllmEngine
 
             self.engine = VllmEngine(
                 self.model_dir, enforce_eager=config.enforce_eager, seed=config.seed, dtype=DTYPE[config.dtype]
@@ -261,7 +261,7 @@ def train(
             f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} or choose another --out"
         )
     if config.engine == "vllm" and config.trainer_profile == TRAINER_SAME_AS_ENGINE:
-        from roundalign.rl.vllm import trainer_profile
+        from roundalign.engines.vllm.profile import trainer_profile
 
         # The exact trainer of this vLLM build, named in config.json (a resumed run keeps it).
         config = config.replace(trainer_profile=trainer_profile(config.enforce_eager))

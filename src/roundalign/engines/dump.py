@@ -1,0 +1,102 @@
+"""A real engine's dump: what ``roundalign dump`` takes (``DumpConfig``) and the run that writes the directory.
+
+Runs in the engine's own Python, so it imports only the engine, torch and roundalign's core. The engine's half
+(``engines.vllm.dump``, ``engines.sglang``) samples the prompts and scores the same sequences again in prefill;
+``dump`` adds what was asked for and writes ``decode.jsonl``, ``prefill.jsonl`` and ``engine.json``
+(``roundalign.rollouts.dumpdir``), which ``probe``, ``fit`` and ``calibrate`` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from roundalign.engines import ENGINES
+from roundalign.errors import MissingFile, UserError
+from roundalign.extras import require_engine
+from roundalign.options import SAMPLING, check_sampling, option
+from roundalign.prompts import Prompts, default_prompts, round_robin, token_ids
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """Everything ``roundalign dump`` takes (``--max-tokens`` is ``max_tokens``). ``validate()`` returns a checked
+    copy with the model path filled in."""
+
+    engine: str = option("vllm", "the engine to run (it must be importable in this Python)")
+    model: str | None = option(None, "HF model directory the engine serves (default: the shipped tiny-qwen3)")
+    out: str = option("dump", "the dump directory to write (default {default})")
+    enforce_eager: bool = option(False, "vLLM: no torch.compile, custom ops on (enforce_eager=True)")
+    prompts: Prompts | None = option(
+        None, "one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)"
+    )
+    num_samples: int = option(SAMPLING["num_samples"].default, "completions, prompts round-robin (default {default})")
+    max_tokens: int = option(SAMPLING["max_tokens"].default, SAMPLING["max_tokens"].help)
+    temperature: float = option(SAMPLING["temperature"].default, SAMPLING["temperature"].help)
+    top_p: float = option(SAMPLING["top_p"].default, SAMPLING["top_p"].help)
+    seed: int = option(SAMPLING["seed"].default, SAMPLING["seed"].help)
+    ignore_eos: bool = option(False, "every completion runs to --max-tokens (more tokens per prompt)")
+    max_model_len: int | None = option(None, "the engine's context length (default: the model's)")
+    memory_fraction: float = option(
+        0.3,
+        "vLLM gpu_memory_utilization / SGLang mem_fraction_static (default {default}; on vLLM's CPU build it is a "
+        "fraction of RAM)",
+    )
+
+    def validate(self) -> DumpConfig:
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.enforce_eager and self.engine != "vllm":
+            raise UserError("--enforce-eager is a vLLM option; SGLang runs eagerly unless its server compiles")
+        if self.engine == "sglang" and (self.temperature != 1.0 or self.top_p != 1.0):
+            raise UserError(
+                "SGLang returns log-probs after temperature and top-p, so a dump must sample at --temperature 1 "
+                "--top-p 1, where they equal the raw log-probs a trainer computes"
+            )
+        from roundalign import models
+
+        model = self.model or str(models.path())  # the shipped tiny-qwen3
+        if not (Path(model) / "config.json").is_file():
+            raise MissingFile(f"--model {model}: no config.json there; give the HF model directory the engine serves")
+        check_sampling({k: getattr(self, k) for k in SAMPLING})
+        if not 0 < self.memory_fraction <= 1:
+            raise UserError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.prompts is not None and not self.prompts:
+            raise UserError("no prompts: the prompt list is empty")
+        return dataclasses.replace(self, model=model)
+
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        """The prompts as token ids, used round-robin up to ``num_samples`` (as ``roundalign probe`` does)."""
+        prompts = self.prompts if self.prompts is not None else default_prompts(self.num_samples, self.seed)
+        return round_robin(token_ids(prompts, tokenizer), self.num_samples)
+
+
+_RUNNERS = {"vllm": "roundalign.engines.vllm.dump", "sglang": "roundalign.engines.sglang"}  # imported on use
+
+
+def dump(cfg: DumpConfig, log=print) -> Path:
+    """Run the engine and write the dump directory; returns its path."""
+    from roundalign.rollouts.dumpdir import write_dump
+
+    require_engine(
+        cfg.engine,
+        f"roundalign dump --engine {cfg.engine}",
+        "run the dump in the engine's Python (for vLLM's CPU build, `make vllm` in your roundalign clone builds "
+        ".venv-vllm; docs/real-engines.md)",
+    )
+    runner = importlib.import_module(_RUNNERS[cfg.engine])
+    rollouts, prefill, info = runner.run(cfg, log=log)
+    info = {
+        **info,
+        "model": str(Path(cfg.model).resolve()),
+        "sampling": {
+            "num_samples": cfg.num_samples, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
+        },
+    }  # fmt: skip
+    return write_dump(cfg.out, rollouts, prefill, info)
+
+
+__all__ = ["DumpConfig", "dump"]

@@ -1,0 +1,40 @@
+"""Where roundalign hooks TRL and verl without a documented seam, checked against the source it relies on.
+
+Where a framework offers a documented seam, the integrations use it: TRL's ``rollout_func`` and ``callbacks``; Ray's
+``worker_process_setup_hook`` and ``runtime_env`` for verl's workers. Three hooks have none, and each is guarded
+here by ``check_source`` before it is installed, so a release that moved the code fails loudly instead of silently
+training with stock numerics:
+
+- TRL 1.16 corrects a sampler's log-probs (importance sampling, ``sampling/*`` metrics) only on its vLLM branch;
+  ``EngineRolloutFunc.attach`` turns that branch on (``trainer.use_vllm``) with a stand-in ``vllm_generation``
+  (``integrations/trl.py``, ``TRL_IS_BRANCH``).
+- verl 0.9.1 patches the actor's model in ``FSDPEngine._build_module`` through the module-level name
+  ``apply_monkey_patch``, which the verl hooks rebind (``integrations/verl/hooks.py``).
+- verl 0.9.1 casts fp32 shards to bf16 inside ``get_per_tensor_param_shard``, where the verl hooks put Fair Cast.
+
+docs/design.md ("Where roundalign hooks TRL and verl") lists them with the tests that prove each.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+# TRL 1.16 grpo_trainer.py: the IS correction and the per-step weight-sync call sit on the vLLM branch.
+TRL_IS_BRANCH = (
+    ("_generate_and_score_completions", ["self.use_vllm and self.vllm_importance_sampling_correction"]),
+    ("_generate", ["self.vllm_generation.sync_weights()"]),
+)
+
+
+def check_source(func, needles: list[str], what: str, library: str) -> None:
+    """``RuntimeError`` unless ``func``'s source holds every one of ``needles``, in that order."""
+    source = inspect.getsource(func)
+    positions = [source.find(n) for n in needles]
+    if min(positions) < 0 or positions != sorted(positions):
+        raise RuntimeError(
+            f"{library}'s {func.__qualname__} no longer has {what} where roundalign hooks it (expected "
+            f"{' then '.join(repr(n) for n in needles)}); this {library} version is not supported"
+        )
+
+
+__all__ = ["TRL_IS_BRANCH", "check_source"]
