@@ -20,6 +20,7 @@ import pytest
 from roundalign.errors import ExitStatus
 from roundalign.rl import compare
 from roundalign.rl.compare import Cell, GridError, load_runs, parse_grid, plan, run_grid, summarize
+from roundalign.rl.compare_plan import train_config
 
 FAKE_TRAIN = r"""
 import argparse, json, os, sys, time
@@ -127,6 +128,9 @@ def test_plan_boolean_key_becomes_a_flag_and_names_are_filesystem_safe():
         ["--no-loss-on-served", "--lr=1e-5"],
     ]
     assert [c.name for c in cells] == ["loss-on-served-true_lr-1e-5", "loss-on-served-false_lr-1e-5"]
+    flag_only = plan(parse_grid(["prefill-check=true,false"]), [])  # no --no-prefill-check: off is its default
+    assert [c.train_options() for c in flag_only] == [["--prefill-check"], []]
+    assert [train_config(c, []).prefill_check for c in flag_only] == [True, False]
     with pytest.raises(ValueError, match="--lr must be > 0, got -1e-05"):  # a negative value reaches validation
         plan(parse_grid(["lr=-1e-5"]), [])
     with pytest.raises(ValueError, match="on or off"):

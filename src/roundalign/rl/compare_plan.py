@@ -113,9 +113,12 @@ class Cell:
         argv = []
         for name, value in self.items:
             option = options[name]
-            if not option.takes_value:  # --loss-on-served / --no-loss-on-served
-                on = _boolean(value, name)
-                argv.append(option.flag if on else next(s for s in option.flags if s.startswith("--no-")))
+            if not option.takes_value:  # --loss-on-served / --no-loss-on-served, or a flag that is off by default
+                off = next((s for s in option.flags if s.startswith("--no-")), None)
+                if _boolean(value, name):
+                    argv.append(option.flag)
+                elif off is not None:
+                    argv.append(off)  # a flag with no --no- form is off when not given
             else:
                 argv.append(f"{option.flag}={value}")  # one token: a value like -1e-5 is not taken for an option
         return argv
