@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from roundalign.cli import main
+from roundalign.errors import UserError
 from roundalign.rl import checkpoint
 from roundalign.rl import cli as rl_cli
 from roundalign.rl.config import TrainConfig
@@ -193,6 +194,14 @@ def test_non_finite_gradient_names_the_tensor(tmp_path, monkeypatch):
         r"non-finite values .*no checkpoint was saved",
     ):
         train(TrainConfig(steps=2, **SMALL).validate(), tmp_path / "g", progress=False, tensorboard=False)
+
+
+def test_a_library_config_is_checked_as_the_command_line_checks_it():
+    """TrainConfig.validate() is the one check: values the CLI's choices would catch are caught for library users."""
+    with pytest.raises(UserError, match=r"--level must be one of 1, 2, 3, got 7"):
+        TrainConfig(level=7).validate()
+    with pytest.raises(UserError, match=r"--top-p must be in \(0, 1\], got 1.5"):
+        TrainConfig(top_p=1.5).validate()
 
 
 @pytest.mark.parametrize(

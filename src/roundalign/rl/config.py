@@ -24,6 +24,7 @@ from roundalign.options import SAMPLING, check_sampling
 from roundalign.profiles import get_profile
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
+from roundalign.tasks import arithmetic
 
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = tuple(dtypes.BY_NAME)
@@ -203,6 +204,8 @@ class TrainConfig:
                 f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
                 "completion of a group identical, so every advantage is 0 and nothing is learned"
             )
+        if isinstance(self.level, bool) or self.level not in arithmetic.LEVELS:
+            raise UserError(f"--level must be one of {', '.join(map(str, arithmetic.LEVELS))}, got {self.level!r}")
         check_sampling({"top_p": self.top_p})  # the range every command checks; temperature's is stricter here
         named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
         for name in named:
