@@ -46,12 +46,18 @@ def test_in_range_and_unset_values_pass():
 
 def test_sampling_arguments_take_the_commands_defaults_and_fill_help():
     parser = argparse.ArgumentParser()
-    add_sampling_arguments(parser.add_argument, defaults={"max_tokens": 125, "top_p": None})
+    add_sampling_arguments(
+        parser.add_argument, DumpConfig, {**{k: o.default for k, o in SAMPLING.items()}, "max_tokens": 125}
+    )
     args = parser.parse_args([])
-    assert (args.num_samples, args.max_tokens, args.top_p, args.seed) == (16, 125, None, 0)
+    assert (args.num_samples, args.max_tokens, args.top_p, args.seed) == (16, 125, 1.0, 0)
     helps = {a.dest: a.help for a in parser._actions if a.dest in SAMPLING}
     assert helps["max_tokens"] == "max completion tokens (default 125)"
-    assert helps["top_p"] == "nucleus sampling, in (0, 1] (default 1.0)"  # no argparse default: the config's
+    assert helps["num_samples"] == "completions, prompts round-robin (default 16)"  # the config's own help
+    unset = argparse.ArgumentParser()
+    add_sampling_arguments(unset.add_argument, DumpConfig, {"top_p": 1.0}, unset=True)
+    assert unset.parse_args([]).top_p is None  # not given: the config fills in the default
+    assert unset._actions[-1].help == "nucleus sampling, in (0, 1] (default 1.0)"
 
 
 def test_config_fields_carry_their_help():

@@ -117,14 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("model", metavar="PATH")
     a("out", metavar="DIR", default=d.out)
     a("engine_python", metavar="PATH")
-    # No argparse defaults: a dump size given with --dump is an error, so "not given" must show. The help shows
-    # DUMP_DEFAULTS (filled in here: add_sampling_arguments would show its own defaults for a None default).
-    add_sampling_arguments(
-        parser.add_argument,
-        names=tuple(DUMP_DEFAULTS),
-        defaults=dict.fromkeys(DUMP_DEFAULTS),
-        help={k: field_help(CalibrateConfig, k, default=v) for k, v in DUMP_DEFAULTS.items()},
-    )
+    # No argparse defaults: a dump size given with --dump is an error, so "not given" must show.
+    add_sampling_arguments(parser.add_argument, CalibrateConfig, DUMP_DEFAULTS, unset=True)
     a("device", default=d.device, metavar="DEV")
     a("name")
     a("dump", metavar="DIR")

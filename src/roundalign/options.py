@@ -68,16 +68,14 @@ def check_sampling(values: Mapping[str, Any]) -> None:
             raise UserError(f"{flag(name)} {problem}, got {value}")
 
 
-def add_sampling_arguments(add, names=tuple(SAMPLING), defaults: Mapping[str, Any] | None = None, help=None) -> None:
-    """``add(--flag, type=..., default=..., help=...)`` for each of ``names``. ``defaults``: this command's
-    defaults where they differ (``None`` in it: the option has no argparse default, the config fills it in);
-    ``help``: this command's help texts where they differ."""
-    defaults, help = defaults or {}, help or {}
-    for name in names:
-        opt = SAMPLING[name]
-        default = defaults.get(name, opt.default)
-        text = help.get(name, opt.help).format(default=opt.default if default is None else default)
-        add(flag(name), type=opt.type, default=default, help=text)
+def add_sampling_arguments(add, config, defaults: Mapping[str, Any], *, unset: bool = False) -> None:
+    """``add(--flag, type=..., default=..., help=...)`` for each sampling option in ``defaults`` (name -> the default
+    this command applies): the type from ``SAMPLING``, the help from ``config``'s field with that default shown.
+    ``unset``: no argparse default, so that the config can tell an option left out from one given (it fills the
+    default in itself, or refuses the option in a mode that ignores it)."""
+    for name, default in defaults.items():
+        help = field_help(config, name, default=default)
+        add(flag(name), type=SAMPLING[name].type, default=None if unset else default, help=help)
 
 
 def option(default, help: str, **kwargs) -> dataclasses.Field:

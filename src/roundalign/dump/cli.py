@@ -20,7 +20,7 @@ from dataclasses import fields
 
 from roundalign.engines import ENGINES
 from roundalign.engines.dump import DumpConfig, dump
-from roundalign.options import add_sampling_arguments, field_help
+from roundalign.options import SAMPLING, add_sampling_arguments, field_help
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("out", metavar="DIR", default=d.out)
     a("enforce_eager", action="store_true")
     a("prompts", metavar="FILE")
-    add_sampling_arguments(
-        parser.add_argument,
-        defaults={k: getattr(d, k) for k in ("num_samples", "max_tokens", "temperature", "top_p", "seed")},
-        help={k: DumpConfig.__dataclass_fields__[k].metadata["help"] for k in ("num_samples",)},
-    )
+    add_sampling_arguments(parser.add_argument, DumpConfig, {k: getattr(d, k) for k in SAMPLING})
     a("ignore_eos", action="store_true")
     a("max_model_len", type=int, metavar="N")
     a("memory_fraction", type=float, default=d.memory_fraction)

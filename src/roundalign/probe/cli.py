@@ -23,7 +23,7 @@ from roundalign.prompts import read_prompts
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from roundalign.engines import ENGINES
-    from roundalign.options import add_sampling_arguments
+    from roundalign.options import SAMPLING, add_sampling_arguments
     from roundalign.probe.run import SAMPLING_DEFAULTS, ProbeConfig
 
     def option(group, name: str, **kw) -> None:
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(g, "backends", metavar="A,B")
     option(g, "prompts", metavar="FILE")
     # No argparse defaults: a sampling option given with --engine-logprobs is an error, so "not given" must show.
-    add_sampling_arguments(g.add_argument, defaults=dict.fromkeys(SAMPLING_DEFAULTS))
+    add_sampling_arguments(g.add_argument, ProbeConfig, {k: SAMPLING_DEFAULTS[k] for k in SAMPLING}, unset=True)
     option(g, "layer_sequences", type=int, metavar="N")
 
 

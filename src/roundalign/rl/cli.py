@@ -26,6 +26,7 @@ from roundalign.profiles import list_profiles
 from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, ENGINES, OPTIMIZERS, TrainConfig
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
+from roundalign.tasks import arithmetic
 
 RESUMABLE_CHANGES = ("steps", "save_every")  # settings a resumed run may change: neither alters the metrics
 
@@ -106,7 +107,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
             Option("temperature", {"type": float}),
             Option("top_p", {"type": float}),
             Option("prefill_check", {"action": "store_true"}),
-            Option("level", {"type": int, "choices": (1, 2, 3)}),
+            Option("level", {"type": int, "choices": arithmetic.LEVELS}),
         ),
     ),
     (
