@@ -30,6 +30,7 @@ REQ = ROOT / "requirements"
 LOCKS = {
     "trainer": ("trainer.in", "trainer-overrides.txt", "trainer-excludes.txt"),
     "vllm": ("vllm.in", "vllm-excludes.txt"),
+    "verl": ("verl.in", "verl-overrides.txt", "verl-excludes.txt"),
 }
 # Installed by the venv itself or by `pip install -e .`, never by the lock.
 NOT_LOCKED = {"pip", "setuptools", "wheel", "roundalign"}

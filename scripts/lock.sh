@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Compile requirements/trainer.lock and requirements/vllm.lock (`make lock`): every package of both venvs, pinned to
+# Compile requirements/trainer.lock, vllm.lock and verl.lock (`make lock`; `scripts/lock.sh NAME` for one): every package of both venvs, pinned to
 # one version with the sha256 of each of its files, resolved by uv from what the project asks for.
 #
 # Inputs (the only files to edit by hand):
 #   trainer.lock  <- pyproject.toml [dev] (every extra and the test tools), requirements/trainer.in (torch's CPU build,
 #                    verl 0.9.1 and the imports it does not declare), trainer-overrides.txt, trainer-excludes.txt
 #   vllm.lock     <- requirements/vllm.in (vLLM's CPU build, TRL), vllm-excludes.txt
+#   verl.lock     <- requirements/verl.in (vLLM's CPU build, verl 0.9.1 and its trainer's imports), verl-overrides.txt,
+#                    verl-excludes.txt
 # Each file says why it holds what it holds. The resolution takes the newest release each range admits, today (uv
 # --refresh: not what its cache saw earlier); the lock then keeps it until the next `make lock`. Refresh deliberately (docs/environment.md says when), run
 # `make clean-venv test`, and commit the locks with the figures they were tested with.
@@ -52,6 +54,16 @@ compile() {  # name, uv arguments...
   echo "$OUT/$name.lock: $(grep -cE '^[a-zA-Z0-9]' "$OUT/$name.lock") packages"
 }
 
-compile trainer pyproject.toml --extra dev requirements/trainer.in \
-  --overrides requirements/trainer-overrides.txt --excludes requirements/trainer-excludes.txt
-compile vllm requirements/vllm.in --excludes requirements/vllm-excludes.txt
+# `scripts/lock.sh verl` re-resolves one lock and leaves the others as they are.
+for name in "${@:-trainer vllm verl}"; do
+  for name in $name; do
+    case "$name" in
+      trainer) compile trainer pyproject.toml --extra dev requirements/trainer.in \
+                 --overrides requirements/trainer-overrides.txt --excludes requirements/trainer-excludes.txt ;;
+      vllm) compile vllm requirements/vllm.in --excludes requirements/vllm-excludes.txt ;;
+      verl) compile verl requirements/verl.in --overrides requirements/verl-overrides.txt \
+              --excludes requirements/verl-excludes.txt ;;
+      *) echo "lock.sh: unknown lock '$name' (trainer, vllm, verl)" >&2; exit 2 ;;
+    esac
+  done
+done

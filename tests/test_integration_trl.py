@@ -337,7 +337,7 @@ def test_trls_own_fused_head_is_not_exact(exact_run):
 
 
 def test_engine_logprob_head_forward_and_gradient():
-    from roundalign.integrations.trl_logprobs import engine_logprobs
+    from roundalign.kernels.logprobs import engine_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(37, 264, generator=g)).to(torch.bfloat16).requires_grad_()

@@ -121,9 +121,20 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _linear_class(module) -> type:
+    """``module``'s class, or the class FSDP2 wrapped: ``fully_shard`` swaps a module's class to a subclass of
+    ``(FSDPModule, cls)`` named ``FSDP<cls>``, and a sharded lm_head (verl shards it as its own unit) is still a
+    plain linear whose weight FSDP gathers before the forward."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
 def _plain_linears(module, names) -> list:
     mods = [getattr(module, n) for n in names]
-    odd = [f"{n} ({type(m).__name__})" for n, m in zip(names, mods, strict=True) if type(m) not in _PLAIN]
+    odd = [f"{n} ({type(m).__name__})" for n, m in zip(names, mods, strict=True) if _linear_class(m) not in _PLAIN]
     if odd:
         raise UserError(
             f"gemm='vllm-cpu' runs vLLM's GEMM on plain nn.Linear weights; {', '.join(odd)} is not one (an adapter or "

@@ -19,22 +19,23 @@ moment that module finishes importing, so processes that never build an actor ne
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
-from roundalign.integrations.verl import hooks
+from roundalign.integrations.verl import cpu, hooks
+from roundalign.integrations.verl.audit import ENV as AUDIT_ENV
+from roundalign.integrations.verl.imports import after_import
 from roundalign.sync import MODES as SYNC_MODES
 
 ENV_PROFILE, ENV_SYNC, ENV_SEED = "ROUNDALIGN_PROFILE", "ROUNDALIGN_SYNC", "ROUNDALIGN_SYNC_SEED"
-ENV_VARS = (ENV_PROFILE, ENV_SYNC, ENV_SEED)
+ENV_VARS = (ENV_PROFILE, ENV_SYNC, ENV_SEED, AUDIT_ENV)
 SETUP_HOOK = "roundalign.integrations.verl.activate"
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_pending: list = []  # the settings an install waits with for the engine module (one per process)
 
 
 def settings_from_env(environ=None) -> dict | None:
-    """``{"profile", "sync", "seed"}`` from the ``ROUNDALIGN_*`` variables, or None when none is set."""
+    """``{"profile", "sync", "seed", "audit"}`` from the ``ROUNDALIGN_*`` variables, or None when none is set."""
     import roundalign
     from roundalign.profiles import Profile
 
@@ -54,7 +55,7 @@ def settings_from_env(environ=None) -> dict | None:
         raise ValueError(f"{ENV_SEED}={raw[ENV_SEED]!r} is not an integer") from None
     if raw[ENV_SEED] and sync != "stochastic":
         raise ValueError(f"{ENV_SEED} only seeds {ENV_SYNC}=stochastic, but {ENV_SYNC}={sync!r}")
-    return {"profile": profile, "sync": sync, "seed": seed}
+    return {"profile": profile, "sync": sync, "seed": seed, "audit": bool(raw[AUDIT_ENV])}
 
 
 def activate() -> dict | None:
@@ -67,8 +68,9 @@ def activate() -> dict | None:
     from roundalign.integrations.verl.seam import import_families
 
     import_families()  # now, before anything in this process can import Liger
-    if not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallOnImport(settings))
+    if not _pending:
+        _pending.append(settings)
+        after_import(_ENGINE_MODULE, lambda module: hooks.install(**settings))
     return settings
 
 
@@ -84,36 +86,11 @@ def ray_runtime_env(base: dict | None = None, environ=None) -> dict:
         )
     env_vars = dict(runtime_env.get("env_vars") or {})
     env_vars.update({k: env[k] for k in ENV_VARS if env.get(k, "").strip()})
+    if cpu.active(env):  # verl's CPU platform (cpu.py), in every worker as in the driver
+        env_vars.update(cpu.environment(env))
     runtime_env["env_vars"] = env_vars
     runtime_env["worker_process_setup_hook"] = SETUP_HOOK
     return runtime_env
-
-
-class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``hooks.install`` right after verl's FSDP engine module has executed, before anyone uses it."""
-
-    def __init__(self, settings: dict) -> None:
-        self.settings = settings
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != _ENGINE_MODULE:
-            return None
-        sys.meta_path.remove(self)  # find the real spec without us, and fire once
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, settings = spec.loader, self.settings
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                hooks.install(**settings)
-
-        spec.loader = _Loader()
-        return spec
 
 
 __all__ = ["ENV_VARS", "SETUP_HOOK", "activate", "ray_runtime_env", "settings_from_env"]

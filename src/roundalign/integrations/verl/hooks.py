@@ -15,6 +15,8 @@ silently running stock numerics:
   exports the local shard the same way and all-gathers the bf16 result, so both paths serve the same bits, and the
   gather moves half the bytes of verl's fp32 one. ``optimizer_step`` and ``load_checkpoint`` start a new weight
   version. ``sync="rne"`` changes nothing: it is verl's own cast.
+- **Log-probs.** With a profile, the actor's log-prob head is the sampler's (``logprobs.py``): fp32 logits, the
+  temperature divided in fp32, ``log_softmax``, instead of verl's ``x - logsumexp(x)`` or bf16 ``log_softmax``.
 - **Hub kernels off** (``USE_HUB_KERNELS=0`` while installed). transformers 5.25 made ``from_pretrained`` kernelize
   every model by default (``use_kernels``): on a GPU it binds Liger's RMSNorm and a Hub RoPE kernel on each instance,
   which would shadow the aligned classes (``apply`` refuses such a model), and verl builds the actor on the meta
@@ -29,6 +31,8 @@ import os
 import warnings
 
 from roundalign.integrations.seams import check_source
+from roundalign.integrations.verl import logprobs
+from roundalign.integrations.verl.audit import hook as audit_hook
 from roundalign.integrations.verl.export import ShardExporter, flat_offset
 from roundalign.integrations.verl.seam import import_families, patch_actor
 from roundalign.sync import MODES as SYNC_MODES
@@ -42,15 +46,16 @@ HUB_KERNELS_ENV = "USE_HUB_KERNELS"  # transformers >= 5.25: kernelize in from_p
 
 def installed() -> dict | None:
     """``{"profile": ..., "sync": ..., "seed": ...}`` when ``install`` is in effect in this process, else None."""
-    return {k: _state[k] for k in ("profile", "sync", "seed")} if _state else None
+    return {k: _state[k] for k in ("profile", "sync", "seed", "audit")} if _state else None
 
 
-def install(profile=None, sync: str | None = None, seed: int = 0, **region_overrides) -> dict:
+def install(profile=None, sync: str | None = None, seed: int = 0, audit: bool = False, **region_overrides) -> dict:
     """Hook verl's FSDP engine in this process: ``profile`` at the seam, ``sync`` in the weight export.
 
     ``profile``: a profile name or ``Profile`` for ``patch_actor`` (None: leave the model alone). ``sync``: None or
     ``"rne"`` (verl's cast), ``"stochastic"`` or ``"error-feedback"``; ``seed`` seeds stochastic rounding. Installing
-    the same settings twice is a no-op; different ones raise (``uninstall`` first).
+    the same settings twice is a no-op; different ones raise (``uninstall`` first). ``audit``: also write the
+    digest of every exported weight to ``$ROUNDALIGN_VERL_AUDIT`` (``audit.py``).
     """
     import roundalign
 
@@ -58,7 +63,7 @@ def install(profile=None, sync: str | None = None, seed: int = 0, **region_overr
         raise ValueError(f"unknown sync mode {sync!r}; choose one of {', '.join(SYNC_MODES)}")
     if profile is not None:
         profile = roundalign.get_profile(profile).replace(**region_overrides)  # a bad name or rule fails here
-    wanted = {"profile": profile, "sync": sync, "seed": seed}
+    wanted = {"profile": profile, "sync": sync, "seed": seed, "audit": bool(audit)}
     if _state:
         if installed() == wanted:
             return installed()
@@ -69,9 +74,12 @@ def install(profile=None, sync: str | None = None, seed: int = 0, **region_overr
     if profile is not None:
         _check_source(ti.FSDPEngine._build_module, ["apply_monkey_patch(", "module.to(torch_dtype)"], "the seam")
         originals += _hook_seam(ti, profile)
+        originals += logprobs.hook(ti)  # the sampler's log-prob formula (logprobs.py says why)
     if sync in ("stochastic", "error-feedback"):
         _check_source(ti.FSDPEngine.get_per_tensor_param_shard, ["p.to(torch.bfloat16"], "the shard export cast")
         originals += _hook_sync(ti, sync, seed)
+    if audit:  # last: it tees whatever export the hooks above installed
+        originals += audit_hook(ti)
     _state.update(wanted, originals=originals, env=_hub_kernels_off())
     logger.info("roundalign: verl hooks installed (%s)", installed())
     return installed()
