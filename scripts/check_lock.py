@@ -109,7 +109,7 @@ def check_environment(lock: Path) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("lock", type=Path, help="requirements/trainer.lock or requirements/vllm.lock")
+    parser.add_argument("lock", type=Path, help="requirements/trainer.lock, vllm.lock or verl.lock")
     parser.add_argument("--inputs-only", action="store_true", help="check only that the lock matches its inputs")
     parser.add_argument("--print-hash", action="store_true", help="print the inputs hash (scripts/lock.sh)")
     parser.add_argument("--json", action="store_true", help="print this environment's {name: version} and exit")

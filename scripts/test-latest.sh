@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make test-latest`: the suite on the newest releases that pyproject.toml and requirements/*.in admit, in throwaway
 # venvs, so that the next incompatible release (as transformers 5.25 was for verl's path) is found by a developer,
-# not a user. The locks are compiled afresh into a temporary folder (scripts/lock.sh, same inputs, same uv), the two
-# venvs .venv-latest and .venv-vllm-latest are built from them (scripts/install-env.sh), what differs from the
+# not a user. The locks are compiled afresh into a temporary folder (scripts/lock.sh, same inputs, same uv), the three
+# venvs .venv-latest, .venv-vllm-latest and .venv-verl-latest are built from them (scripts/install-env.sh), what differs from the
 # committed locks is printed, and the suite runs there as `make test` runs it, less tests/test_environment_lock.py
 # (these venvs differ from the locks on purpose). Nothing committed changes: when the newest set passes and should be
 # adopted, run `make lock` and commit (docs/environment.md).
@@ -15,7 +15,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 LOCK_OUT="$tmp" PYTHON="$PYTHON" scripts/lock.sh
 echo "== newest releases against the committed locks"
-for name in trainer vllm; do
+for name in trainer vllm verl; do
   "$PYTHON" - "$name" "requirements/$name.lock" "$tmp/$name.lock" <<'PY'
 import sys
 sys.path.insert(0, "scripts")
@@ -28,10 +28,12 @@ print("\n".join(lines)) if lines else None
 PY
 done
 
-rm -rf .venv-latest .venv-vllm-latest
+rm -rf .venv-latest .venv-vllm-latest .venv-verl-latest
 LOCK="$tmp/trainer.lock" PYTHON="$PYTHON" scripts/install-env.sh trainer .venv-latest
 LOCK="$tmp/vllm.lock" PYTHON="$PYTHON" scripts/install-env.sh vllm .venv-vllm-latest
+LOCK="$tmp/verl.lock" PYTHON="$PYTHON" scripts/install-env.sh verl .venv-verl-latest
 workers=()
 [[ "$WORKERS" == 0 ]] || workers=(-n "$WORKERS" --dist loadfile)
-ROUNDALIGN_ENGINE_PYTHON="$PWD/.venv-vllm-latest/bin/python" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+ROUNDALIGN_ENGINE_PYTHON="$PWD/.venv-vllm-latest/bin/python" ROUNDALIGN_VERL_PYTHON="$PWD/.venv-verl-latest/bin/python" \
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
   .venv-latest/bin/python -m pytest -q "${workers[@]}" --ignore=tests/test_environment_lock.py

@@ -64,6 +64,26 @@ def engine_python() -> str:
     return str(path)
 
 
+# verl's whole loop with vLLM as its rollout: verl 0.9.1, Ray and vLLM's CPU build in one Python, .venv-verl
+# (`make verl`); tests/test_verl_loop.py runs `python -m roundalign.integrations.verl.loop` with it.
+VERL_PYTHON_ENV = "ROUNDALIGN_VERL_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def verl_python() -> str:
+    """The Python of .venv-verl: $ROUNDALIGN_VERL_PYTHON if set, else .venv-verl/bin/python in this repository.
+    Missing is a failure, not a skip: `make verl` builds it (`make test` does so first)."""
+    configured = os.environ.get(VERL_PYTHON_ENV)
+    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / ".venv-verl" / "bin" / "python"
+    if not path.exists():
+        where = f"${VERL_PYTHON_ENV}={configured}" if configured else str(path)
+        pytest.fail(
+            f"no verl Python at {where}: run `make verl` to build .venv-verl (verl 0.9.1 with vLLM's CPU build), "
+            f"or point ${VERL_PYTHON_ENV} at a Python that has both"
+        )
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def compiled_forward_applies(engine_python) -> bool:
     """Whether vLLM's compiled forward can run in the trainer on this CPU (``roundalign.kernels.graph``): where vLLM's

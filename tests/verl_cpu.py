@@ -1,9 +1,9 @@
 """verl's real FSDP engine on the CPU: a CPU platform for verl's plugin registry, and the engine built from configs.
 
 verl 0.9.1 resolves its device through ``verl.plugin.platform`` and registers only GPU/NPU platforms; without one it
-falls back to CUDA. ``PlatformCPU`` is registered with verl's own ``PlatformRegistry`` (the extension point verl
-documents for new hardware) and selected with ``VERL_PLATFORM=cpu``, so ``FSDPEngine`` builds device meshes, loads
-and shards on the CPU with gloo. Two things are adjusted for this test environment, not for verl users:
+falls back to CUDA. roundalign's ``PlatformCPU`` (``roundalign.integrations.verl.cpu``, registered with verl's own
+``PlatformRegistry``) is selected with ``VERL_PLATFORM=cpu``, so ``FSDPEngine`` builds device meshes, loads and shards
+on the CPU with gloo. Two things are adjusted for this test environment, not for verl users:
 
 - attention is ``sdpa`` (``override_config``): verl defaults to flash-attention 2, which needs a GPU;
 - verl's ``apply_monkey_patch`` imports TRL's ``AutoModelForCausalLMWithValueHead`` whenever TRL is installed, and
@@ -13,12 +13,10 @@ and shards on the CPU with gloo. Two things are adjusted for this test environme
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 MODEL = Path(__file__).resolve().parents[1] / "src" / "roundalign" / "models" / "tiny-qwen3"
 
@@ -37,73 +35,12 @@ def require_verl():
 
 
 def use_cpu_platform() -> None:
-    """Register ``PlatformCPU`` with verl and select it; call before verl resolves its platform."""
-    os.environ["VERL_PLATFORM"] = "cpu"
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import PlatformRegistry
+    """Select roundalign's CPU platform for verl (``roundalign.integrations.verl.cpu``, what a user of
+    ``python -m roundalign.integrations.verl.loop`` gets); call before verl resolves its platform."""
+    from roundalign.integrations.verl import cpu
 
-    @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = torch.cpu
-
-        def is_available(self):
-            return True
-
-        def current_device(self):
-            return "cpu"
-
-        def device_count(self):
-            return 1
-
-        def set_device(self, device_index):
-            pass
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def get_device_capability(self, device_index=0):
-            return (None, None)
-
-        def communication_backend_name(self):
-            return "gloo"
-
-        def visible_devices_envvar(self):
-            return "CUDA_VISIBLE_DEVICES"
-
-        def nvtx_range(self, msg):
-            return contextlib.nullcontext()
-
-        def profiler_start(self):
-            pass
-
-        def profiler_stop(self):
-            pass
-
-        def ray_resource_name(self):
-            return "CPU"
-
-        def ray_noset_envvars(self):
-            return []
-
-        def is_ipc_supported(self):
-            return False
-
-        def cudart(self):
-            return None
+    os.environ.update(cpu.environment())
+    cpu.register()
 
 
 def hide_trl_from_verl() -> None:

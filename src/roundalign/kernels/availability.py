@@ -32,8 +32,10 @@ def check(profile: Profile, model) -> None:
             vllm_cpu.check_model(config)
         else:
             vllm_cpu.load()
-        devices = {p.device.type for p in model.parameters()}
-        if devices != {"cpu"}:
+        # "meta": a model built without storage, to be loaded on the CPU later (verl builds its actor so on every rank
+        # but the first, and FSDP fills it from rank 0's weights).
+        devices = {p.device.type for p in model.parameters()} - {"meta"}
+        if devices - {"cpu"}:
             raise UserError(
                 f"the vllm-cpu kernels run on the CPU; this model's parameters are on {sorted(devices)}. Use the "
                 "profile without '-kernels' on a GPU (vLLM's CUDA kernels are not wired in yet: docs/kernels.md)"

@@ -17,6 +17,7 @@ sync, no weight missing on either side. A digest is the sha256 of the tensor's s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -77,8 +78,9 @@ _NAME = re.compile(r"^(trainer|engine)-(\d+)-(\d+)\.json$")
 
 
 def check(directory: str | Path) -> dict:
-    """``{"syncs", "replicas", "weights", "problems"}``: every engine replica's served weights against the trainer's
-    export, sync by sync (``problems`` empty when every weight of every sync matched)."""
+    """``{"syncs", "replicas", "weights", "changed", "problems"}``: every engine replica's served weights against the
+    trainer's export, sync by sync (``problems`` empty when every weight of every sync matched); ``changed``: how many
+    weights the trainer's export changed from one sync to the next."""
     files: dict[tuple[str, int], dict[int, dict]] = {}
     for path in sorted(Path(directory).glob("*.json")):
         m = _NAME.match(path.name)
@@ -89,7 +91,7 @@ def check(directory: str | Path) -> dict:
     problems = []
     if not trainers or not engines:
         problems.append(f"{directory}: no {'trainer' if not trainers else 'engine'} digests (was {ENV} set?)")
-        return {"syncs": 0, "replicas": len(engines), "weights": 0, "problems": problems}
+        return {"syncs": 0, "replicas": len(engines), "weights": 0, "changed": [], "problems": problems}
     reference = trainers[min(trainers)]
     for rank, syncs in trainers.items():
         if syncs != reference:
@@ -107,7 +109,10 @@ def check(directory: str | Path) -> dict:
             for what, names in (("not served", missing), ("served but not sent", extra), ("differ", differ)):
                 if names:
                     problems.append(f"sync {sync}, replica {replica}: {len(names)} weights {what} ({names[0]}, ...)")
-    return {"syncs": len(reference), "replicas": len(engines), "weights": weights, "problems": problems}
+    order = sorted(reference)
+    changed = [sum(reference[b].get(n) != d for n, d in reference[a].items()) for a, b in itertools.pairwise(order)]
+    return {"syncs": len(reference), "replicas": len(engines), "weights": weights, "changed": changed,
+            "problems": problems}  # fmt: skip
 
 
 __all__ = ["ENV", "check", "digest", "hook"]

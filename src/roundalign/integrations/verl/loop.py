@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,7 +37,8 @@ from roundalign.sync import MODES as SYNC_MODES
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 METRICS = (
     "rollout_corr/k3_kl", "rollout_corr/kl", "training/rollout_probs_diff_max", "rollout_corr/rollout_is_mean",
-    "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min", "critic/score/mean", "timing_s/step",
+    "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_min", "critic/score/mean", "actor/grad_norm",
+    "actor/entropy", "timing_s/step",
 )  # fmt: skip
 
 
@@ -49,9 +51,12 @@ class LoopConfig:
     sync: str = option("rne", "weight export: rne (verl's cast), stochastic or error-feedback (default {default})")
     ranks: int = option(2, "FSDP ranks, and vLLM replicas (one per rank, tensor parallel 1) (default {default})")
     prompts: int = option(4, "prompts per step (default {default})")
-    samples: int = option(2, "responses per prompt, the GRPO group (default {default})")
+    samples: int = option(4, "responses per prompt, the GRPO group (default {default})")
     max_response_length: int = option(32, "max response tokens (default {default})")
-    level: int = option(2, "arithmetic task level, 1-3 (default {default})")
+    level: int = option(
+        3, "arithmetic task level, 1-3; the shipped model solves about half of level 3 (default {default})"
+    )
+    entropy_coeff: float = option(0.0, "verl's entropy bonus; moves a model that earns no reward (default {default})")
     lr: float = option(1e-4, "actor learning rate (default {default})")
     seed: int = option(0, "data and sampling seed (default {default})")
     audit: bool = option(True, "check every sync's served weights against the export (default {default})")
@@ -126,7 +131,7 @@ def overrides(cfg: LoopConfig, paths: dict[str, Path]) -> list[str]:
         f"actor_rollout_ref.actor.optim.lr={cfg.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.use_kl_loss=False", f"actor_rollout_ref.actor.entropy_coeff={cfg.entropy_coeff}",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={cfg.samples}", "actor_rollout_ref.rollout.enforce_eager=True",
         f"actor_rollout_ref.rollout.max_model_len={96 + cfg.max_response_length}",
@@ -206,11 +211,41 @@ def run(cfg: LoopConfig, dry_run: bool = False) -> dict:
     with open(out / "verl.log", "wb") as log:
         code = subprocess.run(command, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0 or not (out / "metrics.jsonl").exists():
-        tail = (out / "verl.log").read_text(errors="replace").splitlines()[-40:]
-        raise RuntimeError(f"verl's main_ppo exited with {code}; {out / 'verl.log'} ends:\n" + "\n".join(tail))
+        raise RuntimeError(
+            f"verl's main_ppo exited with {code}; the first process to fail, from {out / 'verl.log'}:\n"
+            + first_failure((out / "verl.log").read_text(errors="replace"))
+        )
     summary = {"trainer": cfg.trainer, "profile": profile, "sync": cfg.sync, **summarize(out, cfg.audit)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PROCESS = re.compile(r"^((?:\([A-Za-z0-9_]+ pid=\d+\)\s*)+)")  # Ray's "(Actor pid=N)", vLLM's "(Worker pid=N)"
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def first_failure(log: str, context: int = 12) -> str:
+    """The first traceback in verl's combined log, with the process that raised it (Ray and vLLM prefix each line
+    with the actor or worker and its pid): the rank or engine that failed first, not the driver's echo of it."""
+    lines = [_ANSI.sub("", line) for line in log.splitlines()]
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        match = _PROCESS.match(line)
+        who = match.group(1).strip() if match else "the driver"
+        frames = []
+        for later in lines[i + 1 :]:
+            if (_PROCESS.match(later).group(1).strip() if _PROCESS.match(later) else "the driver") != who:
+                continue
+            text = re.sub(r"^.*?\[[\w.]+:\d+\] ", "", later[len(match.group(1)) :] if match else later)
+            frames.append(text)
+            if _RAISED.match(text.strip()):
+                break
+        return f"{who} raised {frames[-1].strip() if frames else '(no exception line)'}\n" + "\n".join(
+            frames[-context:]
+        )
+    return "no traceback in the log; its last lines:\n" + "\n".join(lines[-context:])
 
 
 def _parser() -> argparse.ArgumentParser:
