@@ -49,19 +49,21 @@ _inductor_cache_for_this_source()
 ENGINE_PYTHON_ENV = "ROUNDALIGN_ENGINE_PYTHON"
 
 
+def _venv_python(variable: str, venv: str, target: str, holds: str) -> str:
+    """$variable if set, else ``venv``/bin/python in this repository. Missing is a failure, not a skip: ``make
+    target`` builds it (``make test`` does so first)."""
+    configured = os.environ.get(variable)
+    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / venv / "bin" / "python"
+    if not path.exists():
+        where = f"${variable}={configured}" if configured else str(path)
+        pytest.fail(f"no Python at {where}: run `make {target}` to build {venv} ({holds}), or point ${variable} at one")
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def engine_python() -> str:
-    """The Python that runs the real vLLM: $ROUNDALIGN_ENGINE_PYTHON if set, else .venv-vllm/bin/python in this
-    repository. Missing is a failure, not a skip: `make vllm` builds it (`make test` does so first)."""
-    configured = os.environ.get(ENGINE_PYTHON_ENV)
-    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-    if not path.exists():
-        where = f"${ENGINE_PYTHON_ENV}={configured}" if configured else str(path)
-        pytest.fail(
-            f"no engine Python at {where}: run `make vllm` to build .venv-vllm with the real vLLM (CPU build), "
-            f"or point ${ENGINE_PYTHON_ENV} at the Python that runs vLLM"
-        )
-    return str(path)
+    """The Python that runs the real vLLM (.venv-vllm, or $ROUNDALIGN_ENGINE_PYTHON)."""
+    return _venv_python(ENGINE_PYTHON_ENV, ".venv-vllm", "vllm", "the real vLLM, its CPU build")
 
 
 # verl's whole loop with vLLM as its rollout: verl 0.9.1, Ray and vLLM's CPU build in one Python, .venv-verl
@@ -71,17 +73,8 @@ VERL_PYTHON_ENV = "ROUNDALIGN_VERL_PYTHON"
 
 @pytest.fixture(scope="session")
 def verl_python() -> str:
-    """The Python of .venv-verl: $ROUNDALIGN_VERL_PYTHON if set, else .venv-verl/bin/python in this repository.
-    Missing is a failure, not a skip: `make verl` builds it (`make test` does so first)."""
-    configured = os.environ.get(VERL_PYTHON_ENV)
-    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / ".venv-verl" / "bin" / "python"
-    if not path.exists():
-        where = f"${VERL_PYTHON_ENV}={configured}" if configured else str(path)
-        pytest.fail(
-            f"no verl Python at {where}: run `make verl` to build .venv-verl (verl 0.9.1 with vLLM's CPU build), "
-            f"or point ${VERL_PYTHON_ENV} at a Python that has both"
-        )
-    return str(path)
+    """The Python of verl's loop (.venv-verl, or $ROUNDALIGN_VERL_PYTHON)."""
+    return _venv_python(VERL_PYTHON_ENV, ".venv-verl", "verl", "verl 0.9.1 with vLLM's CPU build")
 
 
 @pytest.fixture(scope="session")

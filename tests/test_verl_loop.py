@@ -49,14 +49,14 @@ def loop(verl_python, tmp_path_factory):
     def run(name: str) -> dict:
         if name in done:
             return done[name]
-        settings = {"steps": STEPS, "ranks": 2, **RUNS[name]}
+        settings = {"steps": STEPS, "ranks": 2, "timeout": 900, **RUNS[name]}
         if settings.get("model") == "wide":
             settings["model"] = str(build_wide_model(root / "wide-model"))
         args = [f"--{k}={v}" for k, v in settings.items()]
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         proc = subprocess.run(
             [verl_python, "-m", "roundalign.integrations.verl.loop", "--out", str(root / name), *args],
-            capture_output=True, text=True, env=env, timeout=900,
+            capture_output=True, text=True, env=env, timeout=1200,
         )  # fmt: skip
         if proc.returncode != 0:
             pytest.fail(f"verl loop {name} ({' '.join(args)}) failed:\n{proc.stderr[-6000:]}")
@@ -127,7 +127,7 @@ def test_verl_sees_vllms_cpu_build_by_the_name_it_asks_for(verl_python):
 def test_a_failed_run_names_the_process_that_failed_first():
     """Ray and vLLM interleave every process's output in one log; the report is the first traceback and its owner,
     not the driver's echo of it (the log below is the shape verl's was when the weight sync first failed)."""
-    from roundalign.integrations.verl.loop import first_failure
+    from roundalign.integrations.verl.supervise import first_failure
 
     log = "\n".join([
         "\x1b[36m(TaskRunnerV1 pid=11)\x1b[0m step 1 starting",

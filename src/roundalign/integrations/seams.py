@@ -1,7 +1,7 @@
 """Where roundalign hooks TRL and verl without a documented seam, checked against the source it relies on.
 
 Where a framework offers a documented seam, the integrations use it: TRL's ``rollout_func`` and ``callbacks``; Ray's
-``worker_process_setup_hook`` and ``runtime_env`` for verl's workers. Three hooks have none, and each is guarded
+``worker_process_setup_hook`` and ``runtime_env`` for verl's workers. Five hooks have none, and each is guarded
 here by ``check_source`` before it is installed, so a release that moved the code fails loudly instead of silently
 training with stock numerics:
 
@@ -11,6 +11,10 @@ training with stock numerics:
 - verl 0.9.1 patches the actor's model in ``FSDPEngine._build_module`` through the module-level name
   ``apply_monkey_patch``, which the verl hooks rebind (``integrations/verl/hooks.py``).
 - verl 0.9.1 casts fp32 shards to bf16 inside ``get_per_tensor_param_shard``, where the verl hooks put Fair Cast.
+- verl 0.9.1's actor computes log-probs in ``FSDPEngineWithLMHead.prepare_model_outputs`` through module-level names
+  (``logprobs_from_logits``, ``_scale_logits_by_temperature``) that the verl hooks rebind (``verl/logprobs.py``).
+- verl 0.9.1's vLLM worker extension loads each sync in place and then runs ``process_weights_after_loading``
+  (``update_weights_from_ipc``), which ``verl/rollout.py`` wraps in vLLM's layer-wise reload on the CPU.
 
 docs/design.md ("Where roundalign hooks TRL and verl") lists them with the tests that prove each.
 """

@@ -12,6 +12,11 @@ Three layers, each usable alone (``docs/verl.md``):
 
 ``write_rollout_logprobs(batch, path)`` dumps a verl batch's sampler log-probs for ``roundalign probe
 --engine-logprobs``. Importing this package does not import verl; ``install`` does.
+
+verl's whole loop on a machine without a GPU (docs/verl.md, "verl's whole loop on a CPU"): ``cpu`` is a platform
+for verl's plugin hook (``VERL_PLATFORM=cpu``), ``rollout`` the vLLM side of the weight sync (vLLM's layer-wise
+reload, and the read-back of what the engine serves), ``audit`` compares each sync's export with what every engine
+replica serves, and ``python -m roundalign.integrations.verl.loop`` runs ``main_ppo`` on the arithmetic task.
 """
 
 from roundalign.integrations.verl.activation import ENV_VARS, SETUP_HOOK, activate, ray_runtime_env, settings_from_env

@@ -19,10 +19,8 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 from roundalign.errors import UserError
 from roundalign.integrations.verl import audit, cpu
 from roundalign.integrations.verl import reward as reward_module
+from roundalign.integrations.verl.supervise import first_failure, supervise
 from roundalign.options import field_help, option
 from roundalign.sync import MODES as SYNC_MODES
 
@@ -61,6 +60,7 @@ class LoopConfig:
     seed: int = option(0, "data and sampling seed (default {default})")
     audit: bool = option(True, "check every sync's served weights against the export (default {default})")
     model: str = option("", "HF model directory (default: the shipped tiny-qwen3)")
+    timeout: float = option(0.0, "seconds before the run is stopped, 0 for none (default {default})")
 
     def validate(self) -> None:
         if self.steps < 1 or self.ranks < 1 or self.prompts < 1 or self.samples < 2:
@@ -137,6 +137,7 @@ def overrides(cfg: LoopConfig, paths: dict[str, Path]) -> list[str]:
         f"actor_rollout_ref.rollout.max_model_len={96 + cfg.max_response_length}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.calculate_log_probs=True",  # the sampler's log-probs, for the mismatch metrics
+        "actor_rollout_ref.rollout.agent.num_workers=1",  # verl starts 8 agent-loop actors, 0.7 GB each
         f"actor_rollout_ref.rollout.seed={cfg.seed}",
         "+actor_rollout_ref.rollout.enable_sleep_mode=False",  # vLLM's CPU build has no sleep mode
         "actor_rollout_ref.rollout.free_cache_engine=False",
@@ -208,8 +209,7 @@ def run(cfg: LoopConfig, dry_run: bool = False) -> dict:
     )
     if dry_run:
         return {"command": str(out / "command.sh")}
-    with open(out / "verl.log", "wb") as log:
-        code = subprocess.run(command, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT).returncode
+    code = supervise(command, env, out, cfg.timeout)
     if code != 0 or not (out / "metrics.jsonl").exists():
         raise RuntimeError(
             f"verl's main_ppo exited with {code}; the first process to fail, from {out / 'verl.log'}:\n"
@@ -220,32 +220,30 @@ def run(cfg: LoopConfig, dry_run: bool = False) -> dict:
     return summary
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_PROCESS = re.compile(r"^((?:\([A-Za-z0-9_]+ pid=\d+\)\s*)+)")  # Ray's "(Actor pid=N)", vLLM's "(Worker pid=N)"
-_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+def table(summaries: dict[str, dict]) -> str:
+    """A markdown table, step by step, of verl's mismatch metrics and step time for each run (``summary.json``)."""
+    names = list(summaries)
+    head = "| step | " + " | ".join(
+        f"{n}: `rollout_corr/k3_kl` | {n}: `training/rollout_probs_diff_max` | {n}: IS ratio min-max | {n}: s/step"
+        for n in names
+    )
+    rows = [head + " |", "|---" * (1 + 4 * len(names)) + "|"]
+    steps = max(len(s["steps"]) for s in summaries.values())
+    for i in range(steps):
+        cells = []
+        for n in names:
+            st = summaries[n]["steps"][i] if i < len(summaries[n]["steps"]) else {}
+            lo, hi = st.get("rollout_corr/rollout_is_min"), st.get("rollout_corr/rollout_is_max")
+            cells += [_num(st.get("rollout_corr/k3_kl")), _num(st.get("training/rollout_probs_diff_max")),
+                      f"{_num(lo)}-{_num(hi)}" if lo is not None else "", _num(st.get("timing_s/step"), 3)]  # fmt: skip
+        rows.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
-def first_failure(log: str, context: int = 12) -> str:
-    """The first traceback in verl's combined log, with the process that raised it (Ray and vLLM prefix each line
-    with the actor or worker and its pid): the rank or engine that failed first, not the driver's echo of it."""
-    lines = [_ANSI.sub("", line) for line in log.splitlines()]
-    for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" not in line:
-            continue
-        match = _PROCESS.match(line)
-        who = match.group(1).strip() if match else "the driver"
-        frames = []
-        for later in lines[i + 1 :]:
-            if (_PROCESS.match(later).group(1).strip() if _PROCESS.match(later) else "the driver") != who:
-                continue
-            text = re.sub(r"^.*?\[[\w.]+:\d+\] ", "", later[len(match.group(1)) :] if match else later)
-            frames.append(text)
-            if _RAISED.match(text.strip()):
-                break
-        return f"{who} raised {frames[-1].strip() if frames else '(no exception line)'}\n" + "\n".join(
-            frames[-context:]
-        )
-    return "no traceback in the log; its last lines:\n" + "\n".join(lines[-context:])
+def _num(value, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    return "0" if value == 0 else f"{value:.{digits}g}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,20 +259,42 @@ def _parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(name, type=kind, default=f.default, help=field_help(LoopConfig, f.name))
     parser.add_argument("--dry-run", action="store_true", help="write the inputs and command.sh, run nothing")
+    parser.add_argument("--report", nargs="+", metavar="DIR", help="print the table of finished runs, run nothing")
     return parser
 
 
 def main(argv=None) -> int:
     args = vars(_parser().parse_args(argv))
-    dry_run = args.pop("dry_run")
+    dry_run, report = args.pop("dry_run"), args.pop("report")
     try:
+        if report:
+            summaries = {Path(d).name: _read_summary(Path(d)) for d in report}
+            print(table(summaries))
+            return 0
         summary = run(LoopConfig(**args), dry_run=dry_run)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2))
-    problems = summary.get("audit", {}).get("problems")
-    return 1 if problems else 0
+    if dry_run:
+        print(f"inputs and the command written: {summary['command']}")
+        return 0
+    print(table({summary["trainer"]: summary}))
+    audit_result = summary.get("audit")
+    if audit_result is not None:
+        verdict = "; ".join(audit_result["problems"]) or "every weight served as exported"
+        print(f"audit: {audit_result['syncs']} syncs x {audit_result['replicas']} replicas: {verdict}")
+    print(f"summary: {Path(args['out']).resolve() / 'summary.json'}")
+    return 1 if audit_result and audit_result["problems"] else 0
+
+
+def _read_summary(directory: Path) -> dict:
+    path = directory / "summary.json"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: --report takes directories of finished runs (--out)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a run summary ({e}); rerun the loop into that directory") from None
 
 
 if __name__ == "__main__":
