@@ -7,7 +7,7 @@ With ``ROUNDALIGN_VERL_AUDIT=DIR`` in the environment of verl's workers (the lau
   (``param.data.copy_``: round to nearest even), so under ``ROUNDALIGN_SYNC`` unset or ``rne`` the digest is of that
   cast; under ``stochastic`` or ``error-feedback`` it is of the bf16 tensor roundalign's exporter sent;
 - each vLLM engine process writes ``DIR/engine-<replica>-<sync>.json`` after the sync: the digest of every weight it
-  serves, read back through its own kernels (``rollout.py``).
+  serves, read back through its own kernels (``rollout.py``), and its thread count and attention KV-split setting.
 
 ``check(DIR)`` compares sync by sync: every weight of every engine replica equal to the trainer's export of the same
 sync, no weight missing on either side. A digest is the sha256 of the tensor's shape and bf16 bits, with -0 read as
@@ -78,20 +78,23 @@ _NAME = re.compile(r"^(trainer|engine)-(\d+)-(\d+)\.json$")
 
 
 def check(directory: str | Path) -> dict:
-    """``{"syncs", "replicas", "weights", "changed", "problems"}``: every engine replica's served weights against the
-    trainer's export, sync by sync (``problems`` empty when every weight of every sync matched); ``changed``: how many
-    weights the trainer's export changed from one sync to the next."""
+    """``{"syncs", "replicas", "weights", "changed", "engine", "problems"}``: every engine replica's served weights
+    against the trainer's export, sync by sync (``problems`` empty when every weight of every sync matched);
+    ``changed``: how many weights the trainer's export changed from one sync to the next; ``engine``: the engines'
+    thread counts and KV-split settings seen."""
     files: dict[tuple[str, int], dict[int, dict]] = {}
     for path in sorted(Path(directory).glob("*.json")):
         m = _NAME.match(path.name)
         if m:
             files.setdefault((m[1], int(m[2])), {})[int(m[3])] = json.loads(path.read_text())
     trainers = {k[1]: v for k, v in files.items() if k[0] == "trainer"}
-    engines = {k[1]: v for k, v in files.items() if k[0] == "engine"}
+    records = {k[1]: v for k, v in files.items() if k[0] == "engine"}
+    engines = {r: {n: rec["weights"] for n, rec in syncs.items()} for r, syncs in records.items()}
+    settings = sorted({(rec["threads"], rec["attn_split_kv"]) for syncs in records.values() for rec in syncs.values()})
     problems = []
     if not trainers or not engines:
         problems.append(f"{directory}: no {'trainer' if not trainers else 'engine'} digests (was {ENV} set?)")
-        return {"syncs": 0, "replicas": len(engines), "weights": 0, "changed": [], "problems": problems}
+        return {"syncs": 0, "replicas": len(engines), "weights": 0, "changed": [], "engine": [], "problems": problems}
     reference = trainers[min(trainers)]
     for rank, syncs in trainers.items():
         if syncs != reference:
@@ -111,8 +114,9 @@ def check(directory: str | Path) -> dict:
                     problems.append(f"sync {sync}, replica {replica}: {len(names)} weights {what} ({names[0]}, ...)")
     order = sorted(reference)
     changed = [sum(reference[b].get(n) != d for n, d in reference[a].items()) for a, b in itertools.pairwise(order)]
+    engine = [{"threads": t, "attn_split_kv": split} for t, split in settings]
     return {"syncs": len(reference), "replicas": len(engines), "weights": weights, "changed": changed,
-            "problems": problems}  # fmt: skip
+            "engine": engine, "problems": problems}  # fmt: skip
 
 
 __all__ = ["ENV", "check", "digest", "hook"]

@@ -281,8 +281,13 @@ def main(argv=None) -> int:
     print(table({summary["trainer"]: summary}))
     audit_result = summary.get("audit")
     if audit_result is not None:
-        verdict = "; ".join(audit_result["problems"]) or "every weight served as exported"
+        problems = audit_result["problems"]
+        verdict = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        verdict = verdict or "every weight served as exported"
         print(f"audit: {audit_result['syncs']} syncs x {audit_result['replicas']} replicas: {verdict}")
+        engines = ", ".join(f"{e['threads']} threads, attention KV split {'on' if e['attn_split_kv'] else 'off'}"
+                            for e in audit_result["engine"])  # fmt: skip
+        print(f"engines: {engines}")
     print(f"summary: {Path(args['out']).resolve() / 'summary.json'}")
     return 1 if audit_result and audit_result["problems"] else 0
 

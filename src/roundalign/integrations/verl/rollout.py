@@ -144,13 +144,21 @@ def _through_gemm(layer) -> torch.Tensor:
 
 
 def write_served(model: torch.nn.Module, directory: Path) -> Path:
-    """``DIR/engine-<replica>-<sync>.json``: the digest of each served weight after this process's latest sync."""
+    """``DIR/engine-<replica>-<sync>.json``: the digest of each served weight after this process's latest sync, with
+    the engine's thread count and its attention's KV-split setting."""
     replica = os.environ.get("VERL_REPLICA_RANK", "0")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"engine-{replica}-{_syncs['count']}.json"
-    digests = {name: audit.digest(t) for name, t in served_weights(model).items()}
+    import vllm.envs as envs
+
+    record = {
+        "weights": {name: audit.digest(t) for name, t in served_weights(model).items()},
+        # what the engine's log-probs can depend on besides the weights (docs/verl.md, "The engine's threads")
+        "threads": torch.get_num_threads(),
+        "attn_split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
+    }
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(digests, sort_keys=True))
+    tmp.write_text(json.dumps(record, sort_keys=True))
     tmp.replace(path)
     return path
 
