@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lowest first. Components on one layer do not import each other.
 LAYERS = [
-    ["errors", "compile_key", "native", "tasks"],
+    ["errors", "compile_key", "native", "tasks", "durable"],
     ["extras", "options", "models", "support", "rollouts"],
     ["console", "prompts"],
     ["profiles"],

@@ -28,7 +28,8 @@ from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 from roundalign.tasks import arithmetic
 
-RESUMABLE_CHANGES = ("steps", "save_every")  # settings a resumed run may change: neither alters the metrics
+# settings a resumed run may change: none alters the metrics
+RESUMABLE_CHANGES = ("steps", "save_every", "save_minutes")
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -84,6 +85,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
             Option("steps", {"type": int}),
             Option("seed", {"type": int}),
             Option("save_every", {"type": int, "metavar": "N"}),
+            Option("save_minutes", {"type": float, "metavar": "M"}),
             Option("eval_every", {"type": int, "metavar": "N"}),
             Option("eval_problems", {"type": int, "metavar": "N"}),
             Option(

@@ -134,7 +134,14 @@ class TrainConfig:
         default=0, metadata={"help": "seed for problems, sampling and stochastic export (default {default})"}
     )
     save_every: int = field(
-        default=0, metadata={"help": "checkpoint every N steps (default {default}: only at the end)"}
+        default=0, metadata={"help": "checkpoint every N steps (default {default}: by --save-minutes and at the end)"}
+    )
+    save_minutes: float = field(
+        default=10.0,
+        metadata={
+            "help": "also checkpoint after a step that ends N minutes or more after the last checkpoint, so a killed "
+            "run loses at most that much (default {default}; 0 = never)"
+        },
     )
     extra: dict = field(
         default_factory=dict,
@@ -194,6 +201,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UserError(f"{flag(name)} must be an int >= 0 (0 = never), got {v!r}")
+        m = self.save_minutes
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or m < 0:
+            raise UserError(f"--save-minutes must be a number >= 0 (0 = never), got {m!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise UserError(
                 f"--group-size must be an int >= 2, got {self.group_size!r}: GRPO normalises each "

@@ -1,9 +1,10 @@
 """Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard when it is installed, a live progress bar.
 
-One JSON object per line, ``{"step": N, "<metric>": value, ...}``, flushed at every step so that a crashed or
-running job can be read (``roundalign compare`` reads these files). Values are floats, ints, or null where a metric
-is undefined (for example the update visibility before a second export). TensorBoard gets the same scalars under
-the same names (nulls skipped) when ``torch.utils.tensorboard`` can be imported (``pip install tensorboard``).
+One JSON object per line, ``{"step": N, "<metric>": value, ...}``, flushed and fsynced at every step so that a
+crashed or running job can be read (``roundalign compare`` reads these files). Values are floats, ints, or null
+where a metric is undefined (for example the update visibility before a second export). TensorBoard gets the same
+scalars under the same names (nulls skipped) when ``torch.utils.tensorboard`` can be imported (``pip install
+tensorboard``).
 """
 
 from __future__ import annotations
@@ -12,24 +13,33 @@ import json
 import math
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.extras import available
 
 
 def read_metrics(path: Path) -> list[dict]:
     """A metrics.jsonl, one dict per step in step order; [] when there is none yet. A step logged twice (a run
-    resumed from a checkpoint re-logs the steps after it) keeps its later line. A line that is not a JSON object with
-    an int ``step`` >= 0 is a ValueError naming the file and the line."""
+    resumed from a checkpoint re-logs the steps after it) keeps its later line. A last line without its newline is
+    one being written, or cut by a kill mid-write: not a line yet, so it is left out when it does not parse. Any
+    other line that is not a JSON object with an int ``step`` >= 0 is a UserError naming the file and the line."""
     if not path.is_file():
         return []
     by_step: dict[int, dict] = {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); is it a metrics.jsonl?") from None
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             step = row["step"]
         except (ValueError, KeyError, TypeError) as exc:
+            if i == len(lines) and not text.endswith("\n"):
+                break  # a line still being written, or cut by a kill
             raise UserError(f"{path}:{i}: not a metrics line ({exc}); expected a JSON object with a 'step'") from None
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UserError(f"{path}:{i}: step must be an int >= 0, got {step!r}")
@@ -58,8 +68,7 @@ class Logbook:
         row = {"step": step}
         for k, v in metrics.items():
             row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        durable.append_line(self._file, json.dumps(row) + "\n")  # on disk before the next step starts
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

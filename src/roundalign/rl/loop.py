@@ -26,11 +26,13 @@ Every ``eval_every`` steps (and at step 0 and the last step) the engine answers 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from roundalign import durable
 from roundalign.engine import Engine, SamplingParams
 from roundalign.errors import ExitStatus, Failure, UserError
 from roundalign.numerics.correction import is_weights
@@ -232,16 +234,32 @@ class Run:
             "tracker": self.tracker.state_dict(),
         }
 
-    def restore(self) -> int:
-        master, served, state = checkpoint.load_latest(self.out)
+    def restore(self) -> int | None:
+        """Load the newest readable checkpoint; its step, or None when the run has none."""
+        loaded = checkpoint.load_latest(self.out, report=self._say)
+        if loaded is None:
+            return None
+        master, served, state = loaded
         self.policy.load_state_dict(master, state["policy"])
         self.exporter.load_state_dict(state["exporter"])
         self.tracker.load_state_dict(state["tracker"])
         self._serve({k: v.to(DTYPE[self.config.dtype]) for k, v in served.items()})
         return int(state["step"])
 
+    def _say(self, message: str) -> None:
+        if self.console is not None:
+            self.console.print(f"[yellow]{message}[/yellow]")
+
     def save(self, step: int) -> Path:
         return checkpoint.save(self.out, step, self.policy.master_state(), self.served, self.state())
+
+
+def _restart(out: Path, console, why: str) -> None:
+    """Start the run in ``out`` over from step 0, saying so: its metrics (and TensorBoard events) are cleared."""
+    if console is not None:
+        console.print(f"[yellow]{out}: {why}; starting it over from step 0[/yellow]")
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / "tensorboard", ignore_errors=True)
 
 
 def train(
@@ -257,9 +275,12 @@ def train(
     out = Path(out)
     metrics_path = out / "metrics.jsonl"
     if not resume and metrics_path.exists():
-        raise UserError(
-            f"{str(out)!r} already holds a run (metrics.jsonl); continue it with --resume {out} or choose another --out"
-        )
+        if checkpoint.list_checkpoints(out):
+            raise UserError(
+                f"{str(out)!r} already holds a run (metrics.jsonl and checkpoints); continue it with --resume {out} or "
+                "choose another --out"
+            )
+        _restart(out, console, "it holds a run that stopped before its first checkpoint")
     if config.engine == "vllm" and config.trainer_profile == TRAINER_SAME_AS_ENGINE:
         from roundalign.engines.vllm.profile import trainer_profile
 
@@ -268,20 +289,23 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)
-    if resume:
-        start = run.restore()
+    start = run.restore() if resume else None
+    if start is not None:
         if start >= config.steps:
             raise UserError(
                 f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} to continue it"
             )
         checkpoint.truncate_metrics(metrics_path, start)
         # --steps / --save-every may change on resume: config.json says what the run now is
-        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        durable.write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     else:
-        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        if resume:  # a run killed before its first checkpoint: nothing to continue from, so it starts over
+            _restart(out, console, "it has no checkpoint yet")
+        durable.write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
         start = 0
         run.sync()  # step 0: the first export (exact for a 16-bit checkpoint) initialises the tracker
     book = Logbook(out, tensorboard, console)
+    last_save = time.monotonic()
     bar = Progress(config.steps, start, console, progress)
     try:
         if start == 0:
@@ -300,8 +324,10 @@ def train(
                 metrics["timing_s/eval"] = time.perf_counter() - t
             book.write(step, metrics)
             bar.update(metrics)
-            if step == config.steps or (config.save_every and step % config.save_every == 0):
+            due = config.save_minutes and time.monotonic() - last_save >= 60 * config.save_minutes
+            if step == config.steps or (config.save_every and step % config.save_every == 0) or due:
                 run.save(step)
+                last_save = time.monotonic()
     finally:
         bar.close()
         book.close()

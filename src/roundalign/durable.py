@@ -1,0 +1,73 @@
+"""Crash-safe writes: a kill at any instant leaves either the old file or the new one, never a partial one.
+
+Runs are long and get killed (out of memory, pre-emption, a crashed engine), so every file a run or a command
+writes for later reading goes through here. A whole file is written to a temporary file beside it, flushed and
+fsynced, then renamed over the old one (``os.replace`` is atomic on POSIX), and the directory is fsynced so that the
+rename itself survives a power cut. A line appended to a log (``append_line``) is flushed and fsynced; a kill can
+cut only that last line, which readers of append-only logs drop and say so (``rl/logbook.read_metrics``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory, so that the names created or renamed in it are on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename, fsync of the directory)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """``write_bytes`` of ``text`` in UTF-8."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def sync_tree(path: str | Path) -> None:
+    """fsync every file under ``path`` and every directory, deepest first: before a directory written in place is
+    renamed into its final name (a checkpoint, a dump)."""
+    path = Path(path)
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(Path(root) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def replace_dir(tmp: str | Path, final: str | Path) -> None:
+    """Move the finished directory ``tmp`` to ``final`` (which must not exist), durably."""
+    sync_tree(tmp)
+    os.replace(tmp, final)
+    fsync_dir(Path(final).parent)
+
+
+def append_line(file, line: str) -> None:
+    """Append ``line`` (with its newline) to an open text file and put it on disk."""
+    file.write(line)
+    file.flush()
+    os.fsync(file.fileno())
+
+
+__all__ = ["append_line", "fsync_dir", "replace_dir", "sync_tree", "write_bytes", "write_text"]
