@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from roundalign import durable
 from roundalign.errors import UserError
+from roundalign.rl import faults
 from roundalign.rl.logbook import read_metrics
 
 KEEP = 2
@@ -53,6 +54,7 @@ def save(out: Path, step: int, master: dict, served: dict, state: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in master.items()}, str(tmp / "master.safetensors"))
+    faults.point("checkpoint", step)
     save_file({k: v.contiguous() for k, v in served.items()}, str(tmp / "served.safetensors"))
     torch.save(dict(state, step=step), tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run re-running it)

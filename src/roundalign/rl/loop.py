@@ -38,7 +38,7 @@ from roundalign.errors import ExitStatus, Failure, UserError
 from roundalign.numerics.correction import is_weights
 from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
-from roundalign.rl import checkpoint
+from roundalign.rl import checkpoint, faults
 from roundalign.rl.config import TRAINER_SAME_AS_ENGINE, TrainConfig
 from roundalign.rl.data import Task, sampling_seed
 from roundalign.rl.logbook import Logbook, Progress
@@ -103,9 +103,10 @@ class Run:
 
     # ----------------------------------------------------------------------------------------------------------
 
-    def sync(self) -> dict:
+    def sync(self, step: int = 0) -> dict:
         master = self.policy.master_state()
         served = self.exporter.export(master)
+        faults.point("export", step)
         self._serve(served)
         return self.tracker.update(master, served)
 
@@ -133,6 +134,7 @@ class Run:
             logprobs_mode="processed",
         )
         outs = self.engine.generate([self.task.prompt(p) for p in batch], params)
+        faults.point("sampling", step)
         rewards = torch.tensor([reward(o.text, p) for o, p in zip(outs, batch, strict=True)])
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float64)
         m["reward/mean"], m["reward/std"] = float(rewards.mean()), float(rewards.std())
@@ -153,11 +155,12 @@ class Run:
         m |= is_metrics
         if c.prefill_check:
             m |= self._prefill_check(outs, list(old))
+        faults.point("recompute", step)
         t2 = time.perf_counter()
 
         m |= self._update(step, outs, old_pad, mask, weights, group_advantages(rewards, c.group_size))
         t3 = time.perf_counter()
-        m |= self.sync()
+        m |= self.sync(step)
         t4 = time.perf_counter()
         m |= {
             "timing_s/rollout": t1 - t0,
@@ -220,6 +223,7 @@ class Run:
                 totals["actor/pg_loss"] += float(result.loss.detach()) / c.inner_epochs
                 for k in ("actor/pg_clipfrac", "actor/ppo_kl"):  # token means: weight each sequence by its tokens
                     totals[k] += result.stats[k] * n / (n_tokens * c.inner_epochs)
+            faults.point("backward", step)
             updates.append(policy.step(step))
         out = {k: (v if trained else None) for k, v in totals.items()}
         out["actor/trained_sequence_frac"] = len(trained) / len(outs)
@@ -323,6 +327,7 @@ def train(
                 metrics["eval/accuracy"] = run.evaluate()
                 metrics["timing_s/eval"] = time.perf_counter() - t
             book.write(step, metrics)
+            faults.point("metrics", step)
             bar.update(metrics)
             due = config.save_minutes and time.monotonic() - last_save >= 60 * config.save_minutes
             if step == config.steps or (config.save_every and step % config.save_every == 0) or due:
