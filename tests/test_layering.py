@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. Components on one layer do not import each other.
 LAYERS = [
     ["errors", "compile_key", "native", "tasks", "durable"],
-    ["extras", "options", "models", "support", "rollouts"],
+    ["extras", "options", "models", "support", "rollouts", "untrusted"],
     ["console", "prompts"],
     ["profiles"],
     ["numerics"],

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from roundalign.errors import MissingFile, UserError
+from roundalign.errors import UserError
+from roundalign.untrusted import read_text
 
 Prompts = list[str] | list[list[int]]
 
@@ -28,9 +29,7 @@ def default_prompts(n: int, seed: int) -> list[str]:
 def read_prompts(path: str | Path) -> Prompts:
     """Prompts from a file: one per line, text or a JSON list of token ids. Blank lines are errors."""
     path = Path(path)
-    if not path.is_file():
-        raise MissingFile(f"prompt file {str(path)!r} does not exist")
-    lines = path.read_text().splitlines()
+    lines = read_text(path, "a prompt file (UTF-8 text, one prompt per line)").splitlines()
     if not any(line.strip() for line in lines):
         raise UserError(f"prompt file {str(path)!r} is empty; put one prompt per line")
     prompts = []

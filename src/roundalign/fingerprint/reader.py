@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roundalign.errors import UserError
+from roundalign.errors import MissingFile, UserError
 from roundalign.fingerprint import battery as B
 from roundalign.fingerprint import runner as R
 from roundalign.numerics.bf16 import bf16_order_key
@@ -362,7 +362,18 @@ def check_results(results, where: str = "results") -> None:
 
 
 def load_results(path) -> dict:
-    results = torch.load(path, weights_only=True)
+    """A results file (``fingerprint run --out``), read with ``torch.load(weights_only=True)``: tensors and plain
+    data only, so opening one runs no code; anything else is a ``UserError`` naming the file."""
+    try:
+        results = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise MissingFile(f"fingerprint results {str(path)!r} do not exist") from None
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for a file that is not one
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"{path}: not fingerprint results ({type(e).__name__}: {first}); `roundalign fingerprint run --out` "
+            "writes them"
+        ) from None
     check_results(results, str(path))
     return results
 

@@ -35,6 +35,7 @@ from roundalign.profiles.rules import (
     SwiGLURule,
     formula,
 )
+from roundalign.untrusted import read_json_object
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,14 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A profile file (``save``'s JSON); a ``UserError`` naming the file for anything else."""
+        data = read_json_object(path, "a profile file (roundalign profiles --save writes one)")
+        try:
+            return cls.from_dict(data)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:  # a field of the wrong type or value
+            raise UserError(f"{path}: not a valid profile ({e})") from None
 
     def describe(self) -> dict[str, str]:
         """Each region's rule as its formula, for tables and reports (the kernels are ``attention``/``gemm``)."""

@@ -27,6 +27,7 @@ from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, ENGINES, OPTIMIZERS, T
 from roundalign.rl.objective import LOSS_TYPES
 from roundalign.sync import MODES as SYNC_MODES
 from roundalign.tasks import arithmetic
+from roundalign.untrusted import read_json_object
 
 # settings a resumed run may change: none alters the metrics
 RESUMABLE_CHANGES = ("steps", "save_every", "save_minutes")
@@ -192,7 +193,13 @@ class TrainRun:
                 f"cannot resume: {str(path)!r} does not exist; --resume takes a run directory written "
                 "by roundalign train"
             )
-        saved = TrainConfig.from_dict(json.loads(path.read_text()))
+        try:
+            saved = TrainConfig.from_dict(read_json_object(path, "a run's settings (roundalign train writes it)"))
+            saved.validate()
+        except UserError as e:
+            raise UserError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
+        except (TypeError, ValueError) as e:  # a setting of the wrong type
+            raise UserError(f"{path}: not a valid run configuration ({e})") from None
         clash = {
             k: (getattr(saved, k), v)
             for k, v in self.given.items()
