@@ -23,8 +23,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. Components on one layer do not import each other.
 LAYERS = [
     ["errors", "compile_key", "native", "tasks", "durable"],
-    ["extras", "options", "models", "support", "rollouts", "untrusted"],
-    ["console", "prompts"],
+    ["extras", "options", "models", "support", "untrusted"],
+    ["console", "prompts", "rollouts"],
     ["profiles"],
     ["numerics"],
     ["mixed_precision", "sync", "ops"],

@@ -5,6 +5,10 @@
     DIR/engine.json     which engine, version, compilation mode, custom ops, attention backend, linear kernels,
                         sampling settings, CPU/GPU, timings
 
+The directory appears whole or not at all: it is written as a temporary sibling (``.NAME.tmp-PID``), fsynced and
+renamed into place (``roundalign.durable``), and ``engine.json``, written last, records ``"complete": true``; a reader
+refuses a directory without it (a writer that was killed, or a copy cut short), saying so.
+
 Both JSONL files hold the same prompts and completions, line for line, in the import format of
 ``roundalign.rollouts.jsonl``, so each is also a valid ``--engine-logprobs FILE``. Two references matter because an
 RL trainer is judged against the sampler's numbers (decode), while prefill is what a trainer-shaped forward of the
@@ -14,14 +18,19 @@ engine gives: the gap between them is the engine's own decode-vs-prefill differe
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import MissingFile, UserError
 from roundalign.rollouts.jsonl import read_engine_logprobs, write_engine_logprobs
 from roundalign.rollouts.record import Rollout
+from roundalign.untrusted import read_json_object
 
-FORMAT, VERSION = "roundalign-engine-dump", 1
+FORMAT, VERSION = "roundalign-engine-dump", 2  # 2: engine.json records "complete"
+DUMP_FILES = ("decode.jsonl", "prefill.jsonl", "engine.json")
 REFERENCES = ("decode", "prefill")  # file stems, and the reference names the probe reports
 
 
@@ -39,16 +48,28 @@ class EngineDump:
 
 
 def write_dump(out: str | Path, rollouts: list[Rollout], prefill: list[list[float]], info: dict) -> Path:
-    """Write ``decode.jsonl``, ``prefill.jsonl`` and ``engine.json`` into ``out`` (created)."""
+    """Write ``decode.jsonl``, ``prefill.jsonl`` and ``engine.json`` as the directory ``out``, atomically: a previous
+    dump there is replaced whole; a directory that holds anything else is refused."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if len(prefill) != len(rollouts):
         raise ValueError(f"{len(rollouts)} rollouts but {len(prefill)} prefill log-prob lists")
-    write_engine_logprobs(out / "decode.jsonl", rollouts)
+    if out.exists() and not (out.is_dir() and set(p.name for p in out.iterdir()) <= set(DUMP_FILES)):
+        raise UserError(f"{out} exists and is not an engine dump; choose another --out, or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_engine_logprobs(tmp / "decode.jsonl", rollouts)
     pairs = zip(rollouts, prefill, strict=True)
     scored = [Rollout(r.prompt_token_ids, r.token_ids, list(lp), r.finish_reason) for r, lp in pairs]
-    write_engine_logprobs(out / "prefill.jsonl", scored)
-    (out / "engine.json").write_text(json.dumps({"format": FORMAT, "version": VERSION, **info}, indent=2) + "\n")
+    write_engine_logprobs(tmp / "prefill.jsonl", scored)
+    record = {"format": FORMAT, "version": VERSION, **info, "complete": True}  # last: the dump is whole
+    (tmp / "engine.json").write_text(json.dumps(record, indent=2) + "\n")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)  # a kill from here to the rename leaves the new dump in tmp and the old one in old
+    durable.replace_dir(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -60,16 +81,18 @@ def read_info(path: str | Path) -> dict:
             f"{path} is a directory but not an engine dump (no engine.json): roundalign dump writes decode.jsonl, "
             "prefill.jsonl and engine.json; pass a single .jsonl file otherwise"
         )
-    try:
-        info = json.loads((path / "engine.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path / 'engine.json'} is not valid JSON: {exc}") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
+    info = read_json_object(path / "engine.json", "an engine dump's engine.json (roundalign dump writes it)")
+    if info.get("format") != FORMAT:
         raise UserError(f"{path / 'engine.json'} is not a roundalign engine dump (its format is not {FORMAT!r})")
     if info.get("version") != VERSION:
         raise UserError(
             f"{path / 'engine.json'} has dump version {info.get('version')!r}; this roundalign reads version "
             f"{VERSION}: re-run roundalign dump with this roundalign"
+        )
+    if info.get("complete") is not True:
+        raise UserError(
+            f"{path / 'engine.json'} does not record a complete dump: the run that wrote it stopped before it "
+            "finished (or this is a copy of its temporary directory); re-run roundalign dump"
         )
     if not isinstance(info.get("engine"), str):
         raise UserError(f"{path / 'engine.json'} does not say which engine ran (its 'engine' field)")

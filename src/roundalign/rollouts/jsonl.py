@@ -28,6 +28,7 @@ import json
 import math
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.rollouts.record import Rollout
 
@@ -175,7 +176,8 @@ def read_rollouts(path: str | Path, config) -> list[Rollout]:
 
 
 def write_engine_logprobs(path: str | Path, rollouts: list[Rollout]) -> None:
-    """Write rollouts in the import format, one per line; floats are written so that they read back exactly."""
+    """Write rollouts in the import format, one per line; floats are written so that they read back exactly. The file
+    is replaced atomically (``roundalign.durable``)."""
     lines = []
     for i, ro in enumerate(rollouts):
         if not isinstance(ro, Rollout):
@@ -194,4 +196,4 @@ def write_engine_logprobs(path: str | Path, rollouts: list[Rollout]) -> None:
             lines.append(json.dumps(record, allow_nan=False, separators=(", ", ": ")))
         except ValueError as err:
             raise ValueError(f"rollouts[{i}]: log-probs must be finite to be written ({err})") from None
-    Path(path).write_text("".join(line + "\n" for line in lines))
+    durable.write_text(path, "".join(line + "\n" for line in lines))  # whole or not at all
