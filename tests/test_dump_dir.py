@@ -1,4 +1,4 @@
-"""A dump directory appears whole or not at all, and a reader refuses one that is not whole, saying so."""
+"""A dump directory is whole or refused: a reader refuses one that a killed writer left, saying so."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ def test_a_dump_is_written_whole_and_replaces_an_older_one(tmp_path):
     out = _write(tmp_path / "dump")
     assert json.loads((out / "engine.json").read_text())["complete"] is True
     assert _read(out).rollouts[1].token_ids == [10]
-    _write(out, {"engine": "sglang"})  # a second dump into the same directory replaces the first whole
+    (out / "engine.log").write_text("the launcher's log")  # what probe puts beside a dump stays
+    _write(out, {"engine": "sglang"})  # a second dump into the same directory replaces the first
     assert _read(out).info["engine"] == "sglang"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]  # no temporary or old directory left
+    assert sorted(p.name for p in out.iterdir()) == ["decode.jsonl", "engine.json", "engine.log", "prefill.jsonl"]
 
 
-def test_a_killed_writer_leaves_the_previous_dump_and_nothing_readable_as_complete(tmp_path, monkeypatch):
+def test_a_killed_writer_leaves_nothing_readable_as_complete(tmp_path, monkeypatch):
     out = _write(tmp_path / "dump")
     calls = []
 
@@ -40,13 +41,14 @@ def test_a_killed_writer_leaves_the_previous_dump_and_nothing_readable_as_comple
         if len(calls) == 2:  # during prefill.jsonl
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(dumpdir, "write_engine_logprobs", killed)
+    real = dumpdir.write_engine_logprobs
+    monkeypatch.setattr(dumpdir, "write_engine_logprobs", lambda p, r: (killed(p, r), real(p, r)))
     with pytest.raises(KeyboardInterrupt):
         _write(out, {"engine": "sglang"})
-    assert _read(out).info["engine"] == "vllm"  # the previous dump, untouched
-    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".dump.tmp-")]
-    with pytest.raises(UserError):
-        _read(partial)  # the half-written directory is not a dump
+    with pytest.raises(UserError, match="not a complete engine dump: engine.json missing"):
+        _read(out)  # neither the old dump nor half of the new one is read
+    monkeypatch.undo()
+    assert _read(_write(out, {"engine": "sglang"})).info["engine"] == "sglang"  # the next dump there is whole
 
 
 def test_an_incomplete_dump_is_refused_with_the_reason(tmp_path):
@@ -61,6 +63,22 @@ def test_an_incomplete_dump_is_refused_with_the_reason(tmp_path):
 def test_a_dump_never_overwrites_a_directory_of_other_files(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="exists and is not an engine dump"):
+    with pytest.raises(UserError, match="holds other files than an engine dump"):
         _write(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_probe_reports_an_engine_that_fails_mid_dump_with_its_last_lines(tmp_path, engine_python, monkeypatch, capsys):
+    """The real engine's dump fails (a test hook raises inside vLLM's run): probe exits 7 with the end of the engine's
+    log, which says what failed, and no dump is left to be read as complete."""
+    from roundalign.cli import main
+    from roundalign.engines.failure import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "dump:1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "probe"
+    argv = ["probe", "--engine", "vllm", "--engine-python", engine_python, "--out", str(out), "--no-plots"]
+    assert main(argv) == 7
+    said = capsys.readouterr().err
+    assert "wrote no dump" in said and "the engine failed during dump: RuntimeError: simulated engine failure" in said
+    assert not (out / "engine-dump" / "engine.json").exists()

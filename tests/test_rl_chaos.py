@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from roundalign.engines.failure import FAULT_ENV
 from roundalign.rl.faults import ENV, PHASES
 from tests.test_rl_train import SMALL, _no_timing, _rows
 
@@ -32,20 +33,23 @@ def _args(out, settings: dict) -> list[str]:
 
 def _chaos(python: str, out, settings: dict, kills, env_extra=None) -> None:
     """Kill the run at each of ``kills`` in turn, resuming after each, then let it finish."""
+    events = [({ENV: f"{phase}:{step}"}, -signal.SIGKILL, None) for phase, step in kills]
+    _chain(python, out, settings, events, env_extra)
+
+
+def _chain(python: str, out, settings: dict, events, env_extra=None) -> None:
+    """Run, then resume after each of ``events`` ((extra env, expected exit status, texts its stderr must hold)),
+    then resume once more to the end."""
     env = dict(os.environ, **(env_extra or {}))
     first = True
-    for phase, step in [*kills, (None, None)]:
-        run_env = dict(env)
-        if phase is not None:
-            run_env[ENV] = f"{phase}:{step}"
+    for extra, status, said in [*events, ({}, 0, None)]:
         args = _args(out, settings) if first else ["train", "--resume", str(out), "--quiet", "--no-tensorboard"]
         proc = subprocess.run(
-            [python, "-m", "roundalign", *args], capture_output=True, text=True, env=run_env, timeout=900
+            [python, "-m", "roundalign", *args], capture_output=True, text=True, env={**env, **extra}, timeout=900
         )
-        if phase is None:
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        else:
-            assert proc.returncode == -signal.SIGKILL, (phase, step, proc.returncode, proc.stderr[-3000:])
+        assert proc.returncode == status, (extra, proc.returncode, proc.stderr[-3000:])
+        for text in said or ():
+            assert text in proc.stderr, proc.stderr[-3000:]
         first = False
 
 
@@ -62,9 +66,24 @@ def test_a_run_killed_at_every_phase_ends_as_the_uninterrupted_one(tmp_path, syn
 
 
 def test_a_run_on_the_real_vllm_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path, engine_python):
-    """The same with the real engine in the process (vLLM's CPU build): three kills, fewer for its start-up time."""
+    """The same with the real engine in the process (vLLM's CPU build): two kills and an engine failure, fewer for
+    its start-up time."""
     settings = {**SMALL, "sync": "error-feedback", "engine": "vllm", "eval_every": 0}
     env = {"HF_HUB_OFFLINE": "1"}
     _chaos(engine_python, tmp_path / "straight", settings, [], env)
-    _chaos(engine_python, tmp_path / "chaos", settings, [("sampling", 2), ("export", 3), ("checkpoint", 4)], env)
+    events = [
+        ({ENV: "sampling:2"}, -signal.SIGKILL, None),
+        # vLLM fails inside the step (the 2nd generate after resuming from step 1: step 3's rollouts): exit 7, with
+        # what failed and the engine's last log lines; the run resumes from step 2's checkpoint
+        (
+            {FAULT_ENV: "generate:2"},
+            7,
+            [
+                "the engine failed during generate: RuntimeError: simulated engine failure",
+                "its last log lines:\nINFO vllm.",  # what the engine itself said last
+            ],
+        ),  # fmt: skip
+        ({ENV: "checkpoint:4"}, -signal.SIGKILL, None),
+    ]
+    _chain(engine_python, tmp_path / "chaos", settings, events, env)
     assert [_no_timing(r) for r in _rows(tmp_path / "chaos")] == [_no_timing(r) for r in _rows(tmp_path / "straight")]

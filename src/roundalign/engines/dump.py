@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from roundalign.engines import ENGINES
+from roundalign.engines import ENGINES, failure
 from roundalign.errors import MissingFile, UserError
 from roundalign.extras import require_engine
 from roundalign.options import SAMPLING, check_sampling, option
@@ -87,7 +87,9 @@ def dump(cfg: DumpConfig, log=print) -> Path:
         ".venv-vllm; docs/real-engines.md)",
     )
     runner = importlib.import_module(_RUNNERS[cfg.engine])
-    rollouts, prefill, info = runner.run(cfg, log=log)
+    failure.capture()
+    with failure.guard("dump", "; nothing was written (a dump directory appears only whole)"):
+        rollouts, prefill, info = runner.run(cfg, log=log)
     info = {
         **info,
         "model": str(Path(cfg.model).resolve()),

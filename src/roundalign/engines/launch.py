@@ -21,17 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from roundalign.errors import ExitStatus, Failure, MissingFile
+from roundalign.engines.failure import EngineFailed
+from roundalign.errors import MissingFile
 from roundalign.extras import require_engine
 
 ENV_VAR = "ROUNDALIGN_ENGINE_PYTHON"
 LOG_TAIL = 25
-
-
-class EngineFailed(Failure):
-    """The engine's process wrote no dump: the message holds the end of its log."""
-
-    status = ExitStatus.ENGINE_FAILED
 
 
 def engine_python(engine: str, given: str | None = None) -> str:

@@ -5,9 +5,9 @@
     DIR/engine.json     which engine, version, compilation mode, custom ops, attention backend, linear kernels,
                         sampling settings, CPU/GPU, timings
 
-The directory appears whole or not at all: it is written as a temporary sibling (``.NAME.tmp-PID``), fsynced and
-renamed into place (``roundalign.durable``), and ``engine.json``, written last, records ``"complete": true``; a reader
-refuses a directory without it (a writer that was killed, or a copy cut short), saying so.
+A dump is whole or refused: each file is written atomically (``roundalign.durable``), ``engine.json`` is removed
+first and written last, and records ``"complete": true``; a reader refuses a directory without it (a writer that was
+killed, or a copy cut short), saying so.
 
 Both JSONL files hold the same prompts and completions, line for line, in the import format of
 ``roundalign.rollouts.jsonl``, so each is also a valid ``--engine-logprobs FILE``. Two references matter because an
@@ -18,8 +18,6 @@ engine gives: the gap between them is the engine's own decode-vs-prefill differe
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from roundalign.untrusted import read_json_object
 
 FORMAT, VERSION = "roundalign-engine-dump", 2  # 2: engine.json records "complete"
 DUMP_FILES = ("decode.jsonl", "prefill.jsonl", "engine.json")
+BESIDE = ("engine.log", "prompts.jsonl")  # what probe and calibrate write next to a dump (engines/launch.py)
 REFERENCES = ("decode", "prefill")  # file stems, and the reference names the probe reports
 
 
@@ -48,28 +47,25 @@ class EngineDump:
 
 
 def write_dump(out: str | Path, rollouts: list[Rollout], prefill: list[list[float]], info: dict) -> Path:
-    """Write ``decode.jsonl``, ``prefill.jsonl`` and ``engine.json`` as the directory ``out``, atomically: a previous
-    dump there is replaced whole; a directory that holds anything else is refused."""
+    """Write ``decode.jsonl``, ``prefill.jsonl`` and then ``engine.json`` into ``out``, each file atomically. A
+    previous dump there is replaced; a directory that holds anything but a dump and what ``probe``/``calibrate`` put
+    beside one (``engine.log``, ``prompts.jsonl``) is refused."""
     out = Path(out)
     if len(prefill) != len(rollouts):
         raise ValueError(f"{len(rollouts)} rollouts but {len(prefill)} prefill log-prob lists")
-    if out.exists() and not (out.is_dir() and set(p.name for p in out.iterdir()) <= set(DUMP_FILES)):
-        raise UserError(f"{out} exists and is not an engine dump; choose another --out, or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_engine_logprobs(tmp / "decode.jsonl", rollouts)
+    out.mkdir(parents=True, exist_ok=True)
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*DUMP_FILES, *BESIDE) and ".tmp-" not in p.name)
+    if others:
+        raise UserError(f"{out} holds other files than an engine dump ({others[0]}, ...); choose another --out")
+    # From here until engine.json is written again the directory is not a complete dump, and readers say so.
+    (out / "engine.json").unlink(missing_ok=True)
+    durable.fsync_dir(out)
+    write_engine_logprobs(out / "decode.jsonl", rollouts)
     pairs = zip(rollouts, prefill, strict=True)
     scored = [Rollout(r.prompt_token_ids, r.token_ids, list(lp), r.finish_reason) for r, lp in pairs]
-    write_engine_logprobs(tmp / "prefill.jsonl", scored)
-    record = {"format": FORMAT, "version": VERSION, **info, "complete": True}  # last: the dump is whole
-    (tmp / "engine.json").write_text(json.dumps(record, indent=2) + "\n")
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)  # a kill from here to the rename leaves the new dump in tmp and the old one in old
-    durable.replace_dir(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    write_engine_logprobs(out / "prefill.jsonl", scored)
+    record = {"format": FORMAT, "version": VERSION, **info, "complete": True}
+    durable.write_text(out / "engine.json", json.dumps(record, indent=2) + "\n")  # last: the dump is whole
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 
+from roundalign.engines import failure
 from roundalign.engines.vllm.build import ENVIRONMENT, engine_info
 from roundalign.rollouts.record import Rollout
 
@@ -43,6 +44,7 @@ def run(cfg, log=print) -> tuple[list[Rollout], list[list[float]], dict]:
         seed=cfg.seed,
         gpu_memory_utilization=cfg.memory_fraction,
     )
+    failure.capture()  # after the engine applied its logging configuration, which replaces the loggers' handlers
     started = time.perf_counter()
     log(f"vllm engine started in {started - t0:.1f} s")
     prompts = cfg.prompt_ids(llm.get_tokenizer())

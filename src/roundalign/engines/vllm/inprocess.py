@@ -26,9 +26,13 @@ import torch
 
 from roundalign.engine.loader import read_tokenizer
 from roundalign.engine.sampling import SamplingParams, request_seeds
+from roundalign.engines import failure
 from roundalign.engines.vllm.build import ENVIRONMENT, engine_info, installed_version
 from roundalign.errors import UserError
 from roundalign.rollouts import Rollout
+
+# The engine fails inside a training run: what was saved is intact (checkpoints are written whole).
+RESUME = "; the run continues from its last checkpoint with roundalign train --resume DIR"
 
 
 class VllmEngine:
@@ -53,6 +57,7 @@ class VllmEngine:
             seed=seed,
             gpu_memory_utilization=0.3,
         )
+        failure.capture()  # after the engine applied its logging configuration, which replaces the loggers' handlers
         self.info = engine_info(self.llm, enforce_eager)
         self.tokenizer = read_tokenizer(self.model_dir)
         self.max_model_len = int(self.llm.llm_engine.vllm_config.model_config.max_model_len)
@@ -79,7 +84,8 @@ class VllmEngine:
             )
             for p, s in zip(ids, seeds, strict=True)
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], requests, use_tqdm=False)
+        with failure.guard("generate", RESUME):
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], requests, use_tqdm=False)
         rollouts = []
         for p, out in zip(ids, outs, strict=True):
             c = out.outputs[0]
@@ -102,7 +108,8 @@ class VllmEngine:
             )
         seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
         request = VllmParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], request, use_tqdm=False)
+        with failure.guard("score", RESUME):
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], request, use_tqdm=False)
         scored = []
         for p, c, out in zip(prompt_ids, completion_ids, outs, strict=True):
             steps = out.prompt_logprobs[len(p) :]
@@ -112,8 +119,9 @@ class VllmEngine:
     def load_weights(self, served: dict) -> None:
         """Serve ``served`` (HF-named tensors in the served dtype) from the next generate on, in place."""
         weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        with failure.guard("load_weights", RESUME):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
 
 
 __all__ = ["VllmEngine"]
