@@ -133,6 +133,36 @@ def test_fingerprint_results(tmp_path, data):
     _check(path, load_results)
 
 
+@EXAMPLES
+@given(data=st.one_of(st.binary(max_size=400), _json_value.map(lambda v: json.dumps(v).encode())))
+def test_fingerprint_batteries(tmp_path, data, capsys):
+    """The battery runner is a standalone script for the engine's machine: a bad battery is exit 2 and one line."""
+    from roundalign.fingerprint.runner import main
+
+    path = tmp_path / "battery.pt"
+    path.write_bytes(data)
+    assert main([str(path), "--engine", "native", "--out", str(tmp_path / "results.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run_fingerprint: error:" in err[0], err
+
+
+@EXAMPLES
+@given(data=_file_bytes(json.dumps({"format": "roundalign-engine-dump", "version": 2, "engine": "vllm",
+                                    "complete": True}).encode(), json_lines=False))  # fmt: skip
+def test_dump_directories(tmp_path, tokenizer_config, data):
+    from roundalign.rollouts.dumpdir import read_references, write_dump
+    from roundalign.rollouts.record import Rollout
+
+    out = tmp_path / "dump"
+    if not (out / "decode.jsonl").exists():
+        write_dump(out, [Rollout([5], [8], [-0.5], "stop")], [[-0.5]], {"engine": "vllm"})
+    (out / "engine.json").write_bytes(data)
+    try:
+        read_references(out, tokenizer_config)
+    except UserError as e:
+        assert all("engine.json" in line or str(out) in line for line in str(e).splitlines()), str(e)
+
+
 def test_nan_and_infinite_log_probs_are_refused_by_line(tmp_path, tokenizer_config):
     from roundalign.rollouts.jsonl import read_rollouts
 

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import ExitStatus, Failure, UserError
 from roundalign.options import SAMPLING, add_sampling_arguments, check_sampling, field_help, option
 
@@ -300,7 +301,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
         "metrics": metrics,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
-    (out / "calibration.json").write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
+    durable.write_text(out / "calibration.json", json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
     return report
 
 

@@ -42,6 +42,24 @@ def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def write_with(path: str | Path, write) -> None:
+    """Replace ``path`` atomically with what ``write(tmp_path)`` writes (``torch.save``, ``fig.savefig``): the writer
+    gets a temporary path beside ``path``, which is fsynced and renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # keeps the suffix savefig reads
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
 def sync_tree(path: str | Path) -> None:
     """fsync every file under ``path`` and every directory, deepest first: before a directory written in place is
     renamed into its final name (a checkpoint, a dump)."""
@@ -70,4 +88,4 @@ def append_line(file, line: str) -> None:
     os.fsync(file.fileno())
 
 
-__all__ = ["append_line", "fsync_dir", "replace_dir", "sync_tree", "write_bytes", "write_text"]
+__all__ = ["append_line", "fsync_dir", "replace_dir", "sync_tree", "write_bytes", "write_text", "write_with"]

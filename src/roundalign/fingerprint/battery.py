@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from roundalign import durable
 from roundalign.engine.native import cos_sin_cache
 from roundalign.errors import MissingFile, UserError
 from roundalign.ops import rope, swiglu
@@ -456,7 +457,7 @@ def battery_id(battery: dict) -> str:
 
 def save_battery(path: str | Path, seed: int = 0, model: dict | None = None) -> dict:
     battery = make_battery(seed, model)
-    torch.save(battery, Path(path))
+    durable.write_with(path, lambda tmp: torch.save(battery, tmp))
     return battery
 
 

@@ -90,6 +90,8 @@ import sys
 
 import torch
 
+from roundalign import durable
+
 BATTERY_FORMAT, BATTERY_VERSIONS = "roundalign-fingerprint-battery", (1, 2)  # 2: cases shaped like a model
 RESULTS_FORMAT, RESULTS_VERSION = "roundalign-fingerprint-results", 1
 DTYPE = torch.bfloat16
@@ -654,7 +656,21 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not modes:
         parser.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     try:
+        # torch.load(weights_only=True) builds only tensors and plain data: a file that is not a battery (or holds
+        # other objects, which would run code if unpickled) is refused here, in one line, never executed
         battery = torch.load(args.battery, weights_only=True)
+    except FileNotFoundError:
+        print(f"run_fingerprint: error: {args.battery} does not exist", file=sys.stderr)
+        return 2
+    except Exception as exc:  # UnpicklingError, EOFError, struct.error, RuntimeError, ...: not a battery
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        print(
+            f"run_fingerprint: error: {args.battery}: not a fingerprint battery ({type(exc).__name__}: {first}); "
+            "`roundalign fingerprint make` writes one",
+            file=sys.stderr,
+        )
+        return 2
+    try:
         check_battery(battery)
         adapters = [ADAPTERS[args.engine](mode, args.device) for mode in modes]
         results = run_battery(battery, adapters)
@@ -664,7 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"run_fingerprint: error: {exc}", file=sys.stderr)
         return 2
-    torch.save(results, args.out)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # plain data, but not a battery's
+        print(f"run_fingerprint: error: {args.battery}: not a fingerprint battery ({exc!r})", file=sys.stderr)
+        return 2
+    durable.write_with(args.out, lambda tmp: torch.save(results, tmp))
     print(
         f"wrote {args.out}: {len(battery['cases'])} cases x {', '.join(modes)}; "
         "read it with `roundalign fingerprint read`"

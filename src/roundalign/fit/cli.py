@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import ExitStatus, MissingFile, UserError, flag
 from roundalign.options import field_help, option
 
@@ -206,7 +207,7 @@ def run(args: FitConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = report.as_dict(result, top=args.top)
     result.profile.save(out / "profile.json")
-    (out / "report.json").write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    durable.write_text(out / "report.json", json.dumps(data, indent=2, allow_nan=False) + "\n")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

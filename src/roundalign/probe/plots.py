@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from roundalign import durable
 from roundalign.probe.table import NA, fmt_pct
 
 BINS_PER_DECADE = 8
@@ -37,7 +38,7 @@ def _pyplot():
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    durable.write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
     _pyplot().close(fig)
     return path
 

@@ -14,6 +14,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.numerics.metrics import METRIC_KEYS
 
 SCHEMA = "roundalign.probe.report/1"
@@ -79,7 +80,7 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_FILE
-    path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    durable.write_text(path, json.dumps(report, indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.profiles.rules import (
     KERNELS,
@@ -164,7 +165,7 @@ class Profile:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        durable.write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

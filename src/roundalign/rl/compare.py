@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import ExitStatus, UserError
 from roundalign.extras import available
 from roundalign.rl.compare_plan import Cell, parse_grid, plan, train_config
@@ -158,8 +159,9 @@ def run(config: CompareConfig) -> int:
         grid = parse_grid(list(config.grid))
         cells = plan(grid, fixed)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "grid.json").write_text(
-            json.dumps({"grid": grid, "fixed_args": fixed, "cells": [c.name for c in cells]}, indent=2) + "\n"
+        durable.write_text(
+            out / "grid.json",
+            json.dumps({"grid": grid, "fixed_args": fixed, "cells": [c.name for c in cells]}, indent=2) + "\n",
         )
         say(console, f"{len(cells)} run(s) planned into {out}/")
         try:

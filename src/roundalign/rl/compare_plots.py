@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.rl.compare_summary import Run, group_runs
 
@@ -234,6 +235,6 @@ def _legend_entries(axes):
 
 
 def _save(plt, fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110)
+    durable.write_with(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
     return path

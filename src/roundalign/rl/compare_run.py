@@ -18,6 +18,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.rl.compare_plan import Cell, train_config
 
@@ -125,7 +126,7 @@ def run_grid(
             "seed": cell.seed,
             "argv": [*fixed_args, *cell.train_options()],
         }
-        (run_dir / "cell.json").write_text(json.dumps(info, indent=2) + "\n")
+        durable.write_text(run_dir / "cell.json", json.dumps(info, indent=2) + "\n")
         argv = [*command, "--out", str(run_dir), "--quiet", *fixed_args, *cell.train_options()]
         with open(run_dir / "train.log", "w") as log:
             return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode

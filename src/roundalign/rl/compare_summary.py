@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.rl.logbook import read_metrics
 
@@ -193,7 +194,7 @@ def summarize(runs: list[Run], out: Path) -> Path:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     path = out / "summary.md"
-    path.write_text("\n".join(lines) + "\n")
+    durable.write_text(path, "\n".join(lines) + "\n")
     data = {
         "grid": grid.get("grid"),
         "fixed_args": grid.get("fixed_args"),
@@ -201,5 +202,5 @@ def summarize(runs: list[Run], out: Path) -> Path:
         "tail": TAIL,
         "configurations": rows,
     }
-    (out / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    durable.write_text(out / "summary.json", json.dumps(data, indent=2) + "\n")
     return path

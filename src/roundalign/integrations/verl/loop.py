@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from roundalign import durable
 from roundalign.errors import UserError
 from roundalign.integrations.verl import audit, cpu
 from roundalign.integrations.verl import reward as reward_module
@@ -216,7 +217,7 @@ def run(cfg: LoopConfig, dry_run: bool = False) -> dict:
             + first_failure((out / "verl.log").read_text(errors="replace"))
         )
     summary = {"trainer": cfg.trainer, "profile": profile, "sync": cfg.sync, **summarize(out, cfg.audit)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    durable.write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
