@@ -50,7 +50,9 @@ def _file_bytes(valid: bytes, json_lines: bool) -> st.SearchStrategy[bytes]:
     return st.one_of(*options)
 
 
-def _check(path, read) -> None:
+def _check(path, data: bytes, read) -> None:
+    """Write ``data`` to ``path``, read it: a result, or a UserError whose every line names the file."""
+    path.write_bytes(data)
     try:
         read(path)
     except UserError as e:
@@ -75,9 +77,7 @@ def tokenizer_config():
 def test_prompt_files(tmp_path, data):
     from roundalign.prompts import read_prompts
 
-    path = tmp_path / "prompts.txt"
-    path.write_bytes(data)
-    _check(path, read_prompts)
+    _check(tmp_path / "prompts.txt", data, read_prompts)
 
 
 VALID_DUMP = json.dumps({"prompt_token_ids": [5, 6, 7], "token_ids": [8, 9], "logprobs": [-0.5, -1.25]}).encode()
@@ -88,9 +88,7 @@ VALID_DUMP = json.dumps({"prompt_token_ids": [5, 6, 7], "token_ids": [8, 9], "lo
 def test_engine_logprob_dumps(tmp_path, tokenizer_config, data):
     from roundalign.rollouts.jsonl import read_rollouts
 
-    path = tmp_path / "dump.jsonl"
-    path.write_bytes(data)
-    _check(path, lambda p: read_rollouts(p, tokenizer_config))
+    _check(tmp_path / "dump.jsonl", data, lambda p: read_rollouts(p, tokenizer_config))
 
 
 @EXAMPLES
@@ -98,9 +96,7 @@ def test_engine_logprob_dumps(tmp_path, tokenizer_config, data):
 def test_profile_files(tmp_path, data):
     from roundalign.profiles import Profile
 
-    path = tmp_path / "profile.json"
-    path.write_bytes(data)
-    _check(path, Profile.load)
+    _check(tmp_path / "profile.json", data, Profile.load)
 
 
 @EXAMPLES
@@ -108,9 +104,7 @@ def test_profile_files(tmp_path, data):
 def test_run_metrics(tmp_path, data):
     from roundalign.rl.logbook import read_metrics
 
-    path = tmp_path / "metrics.jsonl"
-    path.write_bytes(data)
-    _check(path, read_metrics)
+    _check(tmp_path / "metrics.jsonl", data, read_metrics)
 
 
 @EXAMPLES
@@ -118,9 +112,7 @@ def test_run_metrics(tmp_path, data):
 def test_config_json_on_resume(tmp_path, data):
     from roundalign.rl.cli import TrainRun
 
-    path = tmp_path / "config.json"
-    path.write_bytes(data)
-    _check(path, lambda p: TrainRun(resume=str(p.parent)).validate())
+    _check(tmp_path / "config.json", data, lambda p: TrainRun(resume=str(p.parent)).validate())
 
 
 @EXAMPLES
@@ -128,9 +120,7 @@ def test_config_json_on_resume(tmp_path, data):
 def test_fingerprint_results(tmp_path, data):
     from roundalign.fingerprint.reader import load_results
 
-    path = tmp_path / "results.pt"
-    path.write_bytes(data)
-    _check(path, load_results)
+    _check(tmp_path / "results.pt", data, load_results)
 
 
 @EXAMPLES

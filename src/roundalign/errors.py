@@ -24,7 +24,7 @@ class ExitStatus(enum.IntEnum):
     RUNS_FAILED = 4  # compare: some runs of the grid failed; the others ran and are summarised
     NOT_FITTED = 5  # fit: no rounding profile explains the dump (another checkpoint, processed log-probs)
     MISSING_DEPENDENCY = 6  # an optional extra is not installed; the message says which ``pip install``
-    ENGINE_FAILED = 7  # probe/calibrate --engine: the real engine's process wrote no dump; the message has its log
+    ENGINE_FAILED = 7  # the real engine failed (no dump written, or inside train/dump); the message has its log
 
 
 class Failure(Exception):
