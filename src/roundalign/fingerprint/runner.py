@@ -85,12 +85,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import os
 import platform
 import sys
 
 import torch
-
-from roundalign import durable
 
 BATTERY_FORMAT, BATTERY_VERSIONS = "roundalign-fingerprint-battery", (1, 2)  # 2: cases shaped like a model
 RESULTS_FORMAT, RESULTS_VERSION = "roundalign-fingerprint-results", 1
@@ -683,7 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, TypeError, IndexError, AttributeError) as exc:  # plain data, but not a battery's
         print(f"run_fingerprint: error: {args.battery}: not a fingerprint battery ({exc!r})", file=sys.stderr)
         return 2
-    durable.write_with(args.out, lambda tmp: torch.save(results, tmp))
+    # whole or not at all (this file is standalone: roundalign.durable's write, restated)
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    torch.save(results, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, args.out)
     print(
         f"wrote {args.out}: {len(battery['cases'])} cases x {', '.join(modes)}; "
         "read it with `roundalign fingerprint read`"
