@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory, so that the names created or renamed in it are on disk."""
+def fsync(path: str | Path) -> None:
+    """fsync a file, or a directory (so that the names created or renamed in it are on disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -22,19 +22,24 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename, fsync of the directory)."""
+def write_with(path: str | Path, write) -> None:
+    """Replace ``path`` atomically with what ``write(tmp_path)`` writes (``Path.write_bytes``, ``torch.save``,
+    ``fig.savefig``): the writer gets a temporary path beside ``path``, which is fsynced, renamed over it, and the
+    rename made durable by an fsync of the directory."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # keeps the suffix savefig reads
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    fsync(path.parent)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+    write_with(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -42,43 +47,20 @@ def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def write_with(path: str | Path, write) -> None:
-    """Replace ``path`` atomically with what ``write(tmp_path)`` writes (``torch.save``, ``fig.savefig``): the writer
-    gets a temporary path beside ``path``, which is fsynced and renamed over it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")  # keeps the suffix savefig reads
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
 def sync_tree(path: str | Path) -> None:
     """fsync every file under ``path`` and every directory, deepest first: before a directory written in place is
-    renamed into its final name (a checkpoint, a dump)."""
-    path = Path(path)
+    renamed into its final name (a checkpoint)."""
     for root, _dirs, files in os.walk(path, topdown=False):
         for name in files:
-            fd = os.open(Path(root) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
+            fsync(Path(root) / name)
+        fsync(root)
 
 
 def replace_dir(tmp: str | Path, final: str | Path) -> None:
     """Move the finished directory ``tmp`` to ``final`` (which must not exist), durably."""
     sync_tree(tmp)
     os.replace(tmp, final)
-    fsync_dir(Path(final).parent)
+    fsync(Path(final).parent)
 
 
 def append_line(file, line: str) -> None:
@@ -88,4 +70,4 @@ def append_line(file, line: str) -> None:
     os.fsync(file.fileno())
 
 
-__all__ = ["append_line", "fsync_dir", "replace_dir", "sync_tree", "write_bytes", "write_text", "write_with"]
+__all__ = ["append_line", "fsync", "replace_dir", "sync_tree", "write_bytes", "write_text", "write_with"]

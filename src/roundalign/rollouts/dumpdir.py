@@ -59,7 +59,7 @@ def write_dump(out: str | Path, rollouts: list[Rollout], prefill: list[list[floa
         raise UserError(f"{out} holds other files than an engine dump ({others[0]}, ...); choose another --out")
     # From here until engine.json is written again the directory is not a complete dump, and readers say so.
     (out / "engine.json").unlink(missing_ok=True)
-    durable.fsync_dir(out)
+    durable.fsync(out)
     write_engine_logprobs(out / "decode.jsonl", rollouts)
     pairs = zip(rollouts, prefill, strict=True)
     scored = [Rollout(r.prompt_token_ids, r.token_ids, list(lp), r.finish_reason) for r, lp in pairs]

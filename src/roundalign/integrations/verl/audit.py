@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from roundalign import durable
+
 ENV = "ROUNDALIGN_VERL_AUDIT"
 _exports = {"count": 0}
 
@@ -64,14 +66,13 @@ def _teed(per_tensor):
     for name, tensor in per_tensor:
         digests[name] = digest(tensor)
         yield name, tensor
-    _write(directory / f"trainer-{rank}-{_exports['count']}.json", digests)
+    write(directory / f"trainer-{rank}-{_exports['count']}.json", digests)
 
 
-def _write(path: Path, digests: dict) -> None:
+def write(path: Path, record: dict) -> None:
+    """One side's digests of one sync, written whole (``check`` reads only finished files)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(digests, sort_keys=True))
-    tmp.replace(path)
+    durable.write_text(path, json.dumps(record, sort_keys=True))
 
 
 _NAME = re.compile(r"^(trainer|engine)-(\d+)-(\d+)\.json$")
@@ -119,4 +120,4 @@ def check(directory: str | Path) -> dict:
             "engine": engine, "problems": problems}  # fmt: skip
 
 
-__all__ = ["ENV", "check", "digest", "hook"]
+__all__ = ["ENV", "check", "digest", "hook", "write"]

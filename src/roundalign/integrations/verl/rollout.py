@@ -28,7 +28,6 @@ split back into the trainer's names with the model's ``packed_modules_mapping`` 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -147,7 +146,6 @@ def write_served(model: torch.nn.Module, directory: Path) -> Path:
     """``DIR/engine-<replica>-<sync>.json``: the digest of each served weight after this process's latest sync, with
     the engine's thread count and its attention's KV-split setting."""
     replica = os.environ.get("VERL_REPLICA_RANK", "0")
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"engine-{replica}-{_syncs['count']}.json"
     import vllm.envs as envs
 
@@ -157,9 +155,7 @@ def write_served(model: torch.nn.Module, directory: Path) -> Path:
         "threads": torch.get_num_threads(),
         "attn_split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, sort_keys=True))
-    tmp.replace(path)
+    audit.write(path, record)
     return path
 
 
