@@ -300,12 +300,11 @@ def train(
                 f"{str(out)!r} is already at step {start} of {config.steps}; pass --steps N > {start} to continue it"
             )
         checkpoint.truncate_metrics(metrics_path, start)
-        # --steps / --save-every may change on resume: config.json says what the run now is
-        durable.write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
-    else:
-        if resume:  # a run killed before its first checkpoint: nothing to continue from, so it starts over
-            _restart(out, console, "it has no checkpoint yet")
-        durable.write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    elif resume:  # a run killed before its first checkpoint: nothing to continue from, so it starts over
+        _restart(out, console, "it has no checkpoint yet")
+    # what the run now is (--steps, --save-every and --save-minutes may change on resume)
+    durable.write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    if start is None:
         start = 0
         run.sync()  # step 0: the first export (exact for a 16-bit checkpoint) initialises the tracker
     book = Logbook(out, tensorboard, console)

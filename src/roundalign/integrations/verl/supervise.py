@@ -24,6 +24,7 @@ from pathlib import Path
 # After a fatal error in an engine process verl's driver can wait forever (the engine core died; nothing tells the
 # driver). A traceback in the log that the run does not end within this long is taken as that.
 FATAL_GRACE_S = 90
+_TRACEBACK = b"Traceback (most recent call last)"
 
 
 def supervise(command: list[str], env: dict, out: Path, timeout: float) -> int:
@@ -31,15 +32,18 @@ def supervise(command: list[str], env: dict, out: Path, timeout: float) -> int:
     raylet, and with them every worker) on a hang after a traceback, past ``timeout`` seconds (0: none), or on
     Ctrl-C, so a failed run leaves no processes behind. The exit status (-9 when killed)."""
     log_path = out / "verl.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, open(log_path, "rb") as tail:
         proc = subprocess.Popen(command, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        start, failed_at = time.monotonic(), None
+        start, failed_at, seen = time.monotonic(), None, b""
         try:
             while proc.poll() is None:
                 time.sleep(2)
                 now = time.monotonic()
-                if failed_at is None and b"Traceback (most recent call last)" in log_path.read_bytes():
-                    failed_at = now
+                if failed_at is None:
+                    # only what verl wrote since the last look, with the marker's length of overlap in front
+                    seen = seen[-len(_TRACEBACK) :] + tail.read()
+                    if _TRACEBACK in seen:
+                        failed_at = now
                 if (failed_at is not None and now - failed_at > FATAL_GRACE_S) or (timeout and now - start > timeout):
                     _kill_group(proc)
         finally:
