@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["errors", "compile_key", "native", "tasks", "durable"],
     ["extras", "options", "models", "support", "untrusted"],
-    ["console", "prompts", "rollouts"],
+    ["console", "prompts", "rollouts", "quant"],
     ["profiles"],
     ["numerics"],
     ["mixed_precision", "sync", "ops"],

@@ -315,7 +315,17 @@ def test_save_load_round_trip(name, tmp_path):
     path = tmp_path / f"{name}.json"
     p.save(path)
     data = json.loads(path.read_text())
-    assert set(data) == {"name", *REGIONS, "rope_angles", "attention", "gemm", "forward", "engines", "source"}
+    assert set(data) == {
+        "name",
+        *REGIONS,
+        "rope_angles",
+        "attention",
+        "gemm",
+        "forward",
+        "quantization",
+        "engines",
+        "source",
+    }
     assert all(isinstance(v, (str, dict)) for v in data.values()), "plain JSON: strings, and a dict for HeadDimRope"
     q = Profile.load(path)
     assert q == p

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("model", metavar="PATH")
     a("out", metavar="DIR", default=d.out)
     a("enforce_eager", action="store_true")
+    a("quantization", metavar="SCHEME")
     a("prompts", metavar="FILE")
     add_sampling_arguments(parser.add_argument, DumpConfig, {k: getattr(d, k) for k in SAMPLING})
     a("ignore_eos", action="store_true")

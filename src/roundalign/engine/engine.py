@@ -105,6 +105,8 @@ class Engine:
         check_backend(backend, self.profile)
         self.backend = backend
         self.dtype = check_dtype(dtype)
+        if self.profile.quantization.quantized and self.dtype != torch.bfloat16:
+            raise UserError(f"quantization {self.profile.quantization} is served with bf16 activations; drop the dtype")
         self.config, self.weights, self.tokenizer, self.eos_token_ids = load(model_or_path, tokenizer, dtype)
         self.max_model_len = int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)

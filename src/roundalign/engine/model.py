@@ -39,6 +39,7 @@ from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
+from roundalign.quant.grid import int8_linear, quantize_weight
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -82,6 +83,10 @@ class KernelsModel:
         # gemm "reference": every row its own GEMM call, in prefill as in decode (where a step has one row per
         # sequence), so that a row's bits never depend on how many rows its call had (docs/kernels.md).
         self.rowwise_gemm = profile.gemm is GemmKernel.REFERENCE
+        # A quantized engine serves every linear but the lm_head on its scheme's grid (roundalign.quant), quantized
+        # from the served bf16 weights at load and again after every load_weights (which bumps their version).
+        self.quant = profile.quantization if profile.quantization.quantized else None
+        self._quantized = {}  # id(weight) -> (its version, Quantized, dequantized weight)
         rope = profile.rope_for(self.head_dim)
         # fused_into_rope: q/k go from the norm into RoPE in fp32 and round once at RoPE's output, whatever the
         # profile's RoPE rounding (which still applies to families without a q/k norm), as roundalign.apply does.
@@ -95,10 +100,26 @@ class KernelsModel:
         self.cos, self.sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)  # (positions, head_dim)
 
     def _linear(self, x: torch.Tensor, lin, key, step: Step) -> torch.Tensor:
+        if self.quant is not None:
+            return self._quantized_linear(x, lin, step)
         if step.shapes is not None and "matmul" in step.shapes.parts:
             return step.shapes.linear(key, x, lin.weight, lin.bias, list(step.groups()))
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
         return linear(x, lin.weight, lin.bias, rows)
+
+    def _quantized_linear(self, x: torch.Tensor, lin, step: Step) -> torch.Tensor:
+        """A served quantized linear: W8A8 int8 as vLLM's CPU kernel computes it (``quant.grid.int8_linear``: its
+        activation quantizer, an exact int32 GEMM, its epilogue), weight-only schemes as a 16-bit GEMM on the
+        dequantized weight; one call per sequence (or row), as every GEMM here."""
+        w = lin.weight
+        hit = self._quantized.get(id(w))
+        if hit is None or hit[0] != w._version:
+            q = quantize_weight(w, self.quant)
+            hit = self._quantized[id(w)] = (w._version, q, q.dequantize(w.dtype))
+        rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
+        if self.quant.weight_only:
+            return linear(x, hit[2], lin.bias, rows)
+        return torch.cat([int8_linear(x[start : start + n], hit[1], lin.bias) for start, n in rows])
 
     def _attention(self, i: int, a, h: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim

@@ -29,6 +29,12 @@ class DumpConfig:
     model: str | None = option(None, "HF model directory the engine serves (default: the shipped tiny-qwen3)")
     out: str = option("dump", "the dump directory to write (default {default})")
     enforce_eager: bool = option(False, "vLLM: no torch.compile, custom ops on (enforce_eager=True)")
+    quantization: str | None = option(
+        None,
+        "serve a quantized copy in this scheme (w8a8-int8, w4a16, ...; docs/quantization.md): --model (bf16) is "
+        "quantized into DIR/served-model, a compressed-tensors checkpoint, and the engine serves that. A --model "
+        "that is already a compressed-tensors checkpoint is served as it is",
+    )
     prompts: Prompts | None = option(
         None, "one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)"
     )
@@ -65,12 +71,51 @@ class DumpConfig:
             raise UserError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if self.prompts is not None and not self.prompts:
             raise UserError("no prompts: the prompt list is empty")
+        served = served_scheme(model)
+        if self.quantization is not None:
+            from roundalign.quant import Scheme
+
+            scheme = Scheme.parse(self.quantization)
+            if self.engine != "vllm":
+                raise UserError("--quantization is served by vLLM's compressed-tensors support: use --engine vllm")
+            if served is not None and served != scheme.name:
+                raise UserError(f"--model {model} is already quantized ({served}); drop --quantization or give the "
+                                "bf16 model")  # fmt: skip
         return dataclasses.replace(self, model=model)
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """The prompts as token ids, used round-robin up to ``num_samples`` (as ``roundalign probe`` does)."""
         prompts = self.prompts if self.prompts is not None else default_prompts(self.num_samples, self.seed)
         return round_robin(token_ids(prompts, tokenizer), self.num_samples)
+
+
+def served_scheme(model: str | Path) -> str | None:
+    """The scheme of a compressed-tensors checkpoint at ``model`` (None for a bf16 model)."""
+    from roundalign.untrusted import read_json_object
+
+    config = read_json_object(Path(model) / "config.json", "a model's config.json")
+    if "quantization_config" not in config:
+        return None
+    from roundalign.quant import from_compressed_tensors
+
+    return from_compressed_tensors(config["quantization_config"]).name
+
+
+def _served_copy(cfg: DumpConfig, log) -> tuple[DumpConfig, dict]:
+    """What the engine serves: ``--model`` itself, or its quantized copy (written to ``OUT/served-model``); and what
+    engine.json records of it."""
+    served = served_scheme(cfg.model)
+    if cfg.quantization is None or served is not None:
+        return cfg, {"quantization": served or "none", "served_model": str(Path(cfg.model).resolve())}
+    from roundalign.quant import Scheme, checkpoint
+
+    path = Path(cfg.out) / "served-model"
+    checkpoint.write(cfg.model, path, Scheme.parse(cfg.quantization))
+    log(f"quantized {cfg.model} to {cfg.quantization}: {path}")
+    return dataclasses.replace(cfg, model=str(path)), {
+        "quantization": cfg.quantization,
+        "served_model": str(path.resolve()),
+    }
 
 
 _RUNNERS = {"vllm": "roundalign.engines.vllm.dump", "sglang": "roundalign.engines.sglang"}  # imported on use
@@ -88,10 +133,12 @@ def dump(cfg: DumpConfig, log=print) -> Path:
     )
     runner = importlib.import_module(_RUNNERS[cfg.engine])
     failure.capture()
+    serving, served = _served_copy(cfg, log)
     with failure.guard("dump", "; nothing was written (a dump directory appears only whole)"):
-        rollouts, prefill, info = runner.run(cfg, log=log)
+        rollouts, prefill, info = runner.run(serving, log=log)
     info = {
         **info,
+        **served,
         "model": str(Path(cfg.model).resolve()),
         "sampling": {
             "num_samples": cfg.num_samples, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,

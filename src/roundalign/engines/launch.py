@@ -55,6 +55,8 @@ def dump_args(cfg) -> list[str]:
     args += ["--memory-fraction", repr(cfg.memory_fraction)]
     if cfg.enforce_eager:
         args.append("--enforce-eager")
+    if cfg.quantization:
+        args += ["--quantization", cfg.quantization]
     if cfg.ignore_eos:
         args.append("--ignore-eos")
     if cfg.max_model_len:

@@ -17,7 +17,9 @@ from the sampler's. A profile therefore also names the kernels (``Profile.attent
 
 The modules: ``availability`` (``check``: whether this model can run the profile's kernels here, at ``apply``
 time), ``engine_attention`` (``attention``, the HF attention function over the engine kernels), ``engine_gemm``
-(``project`` and ``EngineLMHead``: the engine's GEMMs and their prepared-weight cache), ``autocast`` (what both run
+(``project`` and ``EngineLMHead``: the engine's GEMMs and their prepared-weight cache), ``quantized`` (the
+projections of a quantized engine: ``Profile.quantization``, aligned or exact, straight-through gradient) and
+``vllm_quant`` (vLLM's quantized CPU layers on stand-in modules), ``autocast`` (what both run
 under), ``batch`` (the sequences of a padded or packed batch), ``vllm_cpu`` (vLLM's CPU ops) and ``graph`` (vLLM's
 compiled forward). This package re-exports what the rest of roundalign calls.
 
@@ -30,8 +32,19 @@ the engine's bit for bit, and the update direction is the usual one: what an exa
 Gradient checkpointing recomputes the engine forward, which is deterministic.
 """
 
+from roundalign.kernels import engine_gemm, quantized
 from roundalign.kernels.availability import check
 from roundalign.kernels.engine_attention import attention
-from roundalign.kernels.engine_gemm import EngineLMHead, project
+from roundalign.kernels.engine_gemm import EngineLMHead
+
+
+def project(module, names: tuple[str, ...], x, gemm, pad_to: int = 1) -> list:
+    """A module's projections as the profile computes them: quantized (``quantized.project``) where ``apply`` gave
+    the module a quantization scheme (``_roundalign_quant``), else bf16 (``engine_gemm.project``)."""
+    scheme = getattr(module, "_roundalign_quant", None)
+    if scheme is not None and scheme.quantized:
+        return quantized.project(module, names, x, gemm, scheme)
+    return engine_gemm.project(module, names, x, gemm, pad_to)
+
 
 __all__ = ["EngineLMHead", "attention", "check", "project"]

@@ -105,6 +105,11 @@ def region_switches(base: str | Profile, engine: str | Profile, config) -> list[
             profile = None if same else base.replace(**{kernel: e})
             alone = None if same else engine.replace(**{kernel: t})
             out.append(RegionSwitch(kernel, str(t), str(e), profile, alone))
+    if base.quantization != engine.quantization:
+        # A quantized engine: what it serves is one more place, usually the largest (docs/quantization.md).
+        t, e = base.quantization, engine.quantization
+        out.append(RegionSwitch("quantization", str(t), str(e), base.replace(quantization=e),
+                                engine.replace(quantization=t)))  # fmt: skip
     return out
 
 

@@ -131,6 +131,12 @@ def _set_compile_ops(model, compile_ops: bool | None) -> None:
 
 def _patch_modules(model, family: Family, prof: Profile, config) -> None:
     rope = prof.rope_for(head_dim(config))
+    quant = prof.quantization if prof.quantization.quantized else None
+    if quant is not None and family.model_type == "qwen3_moe":
+        raise UserError(
+            f"quantization {quant} is computed for dense models (Qwen2, Qwen3, Llama); Qwen3-MoE's experts are not "
+            "served quantized by roundalign yet. Use the profile without quantization for this model"
+        )
     qk_fused = family.has_qk_norm and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE
 
     def attrs_for(role: str, name: str, module) -> dict:
@@ -138,7 +144,7 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
             is_qk = name.endswith(("q_norm", "k_norm"))
             return {"_roundalign_rule": str(prof.qk_norm if is_qk else prof.rms_norm)}
         if role == "mlp":
-            return {"_roundalign_rule": prof.swiglu, "_roundalign_gemm": prof.gemm}
+            return {"_roundalign_rule": prof.swiglu, "_roundalign_gemm": prof.gemm, "_roundalign_quant": quant}
         if role == "experts":
             return {"_roundalign_rule": prof.expert_swiglu}
         if role == "attention":
@@ -150,6 +156,7 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
                 "_roundalign_rope": rounding,
                 "_roundalign_attention": prof.attention,
                 "_roundalign_gemm": prof.gemm,
+                "_roundalign_quant": quant,
             }
         if role == "decoder_layer":
             return {"_roundalign_residual": prof.residual, "_roundalign_profile": prof.name}

@@ -71,6 +71,7 @@ class _Aligned:
 
     _roundalign_compile_ops = False
     _roundalign_gemm = GemmKernel.TORCH
+    _roundalign_quant = None  # the served quantization scheme (roundalign.quant), or None: bf16
 
 
 class AlignedRMSNorm(_Aligned):
@@ -108,7 +109,8 @@ class AlignedMLP(_Aligned):
         return kernels.project(self, ("down_proj",), hidden, self._roundalign_gemm)[0]
 
     def extra_repr(self) -> str:
-        return f"swiglu={self._roundalign_rule}, gemm={self._roundalign_gemm}"
+        quant = f", quantization={self._roundalign_quant}" if self._roundalign_quant is not None else ""
+        return f"swiglu={self._roundalign_rule}, gemm={self._roundalign_gemm}{quant}"
 
 
 class AlignedAttention(_Aligned):

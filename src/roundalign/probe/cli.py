@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(g, "enforce_eager", action="store_true")
     option(g, "engine_python", metavar="PATH")
     option(g, "engine_logprobs", metavar="PATH")
+    option(parser, "quantization", metavar="SCHEME")
     g = parser.add_argument_group("sampling (the reference engine, or --engine)")
     option(g, "backends", metavar="A,B")
     option(g, "prompts", metavar="FILE")
@@ -78,6 +79,7 @@ def config_from_args(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         engine_python=args.engine_python,
         layer_sequences=args.layer_sequences,
+        quantization=args.quantization,
         device=args.device,
         out=args.out,
         plots=not args.no_plots,

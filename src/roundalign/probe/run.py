@@ -91,6 +91,12 @@ class ProbeConfig:
         "the Python whose environment has the engine (default $ROUNDALIGN_ENGINE_PYTHON, else this one); "
         "`make vllm` builds .venv-vllm/bin/python",
     )
+    quantization: str | None = option(
+        None,
+        "the engine serves a quantized copy in this scheme (w8a8-int8, w4a16, ...; docs/quantization.md): the "
+        "reference engine computes it, or the real engine serves the checkpoint roundalign writes; the trainers "
+        "compared are then stock bf16, rounding only, quantization-aligned and exact",
+    )
     layer_sequences: int | None = option(
         None, "sequences the per-layer and decode-shape experiments run on (default {default}; 0 skips them)"
     )
@@ -118,9 +124,9 @@ class ProbeConfig:
             given = "--enforce-eager" if self.enforce_eager else "--engine-python"
             raise UserError(f"{given} applies to a real engine's run; add --engine vllm")
         name = self.engine_profile or _default_engine_profile(self.engine_logprobs)
-        engine = get_profile(name)  # unknown name: UserError listing the profiles
-        default = ("hf", engine.rounding_only(), engine) if engine.uses_engine_kernels else ("hf", engine)
-        given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or default]
+        engine = _quantized(get_profile(name), self.quantization, _dump_quantization(self.engine_logprobs))
+        name = engine.name
+        given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or _default_trainers(engine)]
         profiles = {p.name: p for p in given}
         fields = dict(
             self.__dict__,
@@ -168,6 +174,12 @@ class ProbeConfig:
             )
         if self.enforce_eager and self.engine != "vllm":
             raise UserError("--enforce-eager is a vLLM option")
+        if self.quantization is not None:
+            from roundalign.quant import Scheme
+
+            Scheme.parse(self.quantization)  # a wrong name fails now, not after the engine ran
+            if self.engine != "vllm":
+                raise UserError("--quantization with a real engine runs vLLM's quantized serving: use --engine vllm")
         for p in (self.engine_profile, *(self.trainer_profiles or ())):
             if p is not None:
                 get_profile(self.profiles.get(p) or p)  # a wrong name fails now, not after the engine ran
@@ -183,8 +195,56 @@ class ProbeConfig:
     def after_dump(self, dump_dir: str | Path) -> ProbeConfig:
         """The same run, reading the dump the real engine wrote (its engine.json picks the default profile)."""
         sampling = {k: None for k in (*SAMPLING_DEFAULTS, "prompts")}
-        fields = dict(self.__dict__, **sampling, engine=None, enforce_eager=False, engine_python=None)
+        fields = dict(
+            self.__dict__, **sampling, engine=None, enforce_eager=False, engine_python=None, quantization=None
+        )  # fmt: skip  (the dump's engine.json says what it served)
         return ProbeConfig(**{**fields, "engine_logprobs": str(dump_dir), "validated": False}).validate()
+
+
+def _dump_quantization(engine_logprobs: str | None) -> str | None:
+    """The scheme a dump directory's engine served (its engine.json), or None (bf16, or not a directory)."""
+    if engine_logprobs is None or not Path(engine_logprobs).is_dir():
+        return None
+    from roundalign.rollouts.dumpdir import read_info
+
+    served = read_info(engine_logprobs).get("quantization")
+    return None if served in (None, "none") else str(served)
+
+
+def _quantized(engine: Profile, given: str | None, served: str | None) -> Profile:
+    """The engine profile with the scheme it serves: ``--quantization``, or what the dump says it served."""
+    if given is not None and served is not None and given != served:
+        raise UserError(f"--quantization {given}: the dump's engine served {served}; drop --quantization")
+    scheme = given or served
+    if scheme is None:
+        return engine
+    if engine.quantization.quantized and str(engine.quantization) != scheme:
+        raise UserError(f"the engine profile {engine.name} serves {engine.quantization}, not {scheme}")
+    return engine.replace(quantization=scheme)
+
+
+def _default_trainers(engine: Profile) -> tuple:
+    """The trainers a probe compares by default: stock HF, the engine's rounding rules and the engine profile itself;
+    for a quantized engine stock HF (bf16, what users run today), the rounding rules in bf16, the rounding rules
+    with the engine's quantization (quantization-aligned) and, where the engine profile or this Python has them,
+    the engine's kernels too (exact)."""
+    if not engine.quantization.quantized:
+        return ("hf", engine.rounding_only(), engine) if engine.uses_engine_kernels else ("hf", engine)
+    aligned = engine.rounding_only()
+    exact = engine if engine.uses_engine_kernels else _exact_for(engine)
+    return ("hf", aligned.replace(quantization="none"), aligned, *((exact,) if exact is not None else ()))
+
+
+def _exact_for(engine: Profile) -> Profile | None:
+    """The ``-kernels`` variant of a real engine's quantized profile, where the built-in exists and vLLM's kernels
+    can run in this Python (the exact quantized trainer calls vLLM's own layers)."""
+    from roundalign.extras import available
+    from roundalign.profiles import PROFILES
+
+    base = engine.name.partition("+")[0]
+    if f"{base}-kernels" not in PROFILES or not available("vllm"):
+        return None
+    return PROFILES[f"{base}-kernels"].replace(quantization=engine.quantization)
 
 
 def _default_engine_profile(engine_logprobs: str | None) -> str:
@@ -231,7 +291,7 @@ def _run_engine(cfg: ProbeConfig, model_path: Path, tick) -> Path:
     dump = DumpConfig(
         engine=cfg.engine, model=str(model_path), out=str(dump_dir), enforce_eager=cfg.enforce_eager,
         num_samples=cfg.num_samples, max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=cfg.seed,
+        seed=cfg.seed, quantization=cfg.quantization,
     )  # fmt: skip
     mode = " --enforce-eager" if cfg.enforce_eager else ""
     tick(f"running {cfg.engine}{mode}: {cfg.num_samples} completions, then prefill (its own Python)")

@@ -36,6 +36,7 @@ from roundalign.profiles.rules import (
     SwiGLURule,
     formula,
 )
+from roundalign.quant.schemes import NONE, Scheme
 from roundalign.untrusted import read_json_object
 
 
@@ -59,6 +60,9 @@ class Profile:
         attention: the attention kernel (``AttentionKernel``; default ``hf``, the model's own).
         gemm: the linear layers' GEMM kernel (``GemmKernel``; default ``torch``).
         forward: whose forward code computes the element-wise regions (``ForwardKernel``; default ``hf``).
+        quantization: what the engine serves (``roundalign.quant.Scheme``, by name: ``w8a8-int8``, ``w4a16``, ...;
+            default ``none``, the bf16 copy). Every linear but the lm_head is then computed quantized, at the level
+            the GEMM kernel says: ``torch`` quantization-aligned, ``vllm-cpu`` exact (``roundalign.kernels``).
 
     Names are labels: what a profile does is its ``rules()``, and everything that branches on a profile reads
     them (``apply`` leaves a model untouched when they are stock HF's, whatever the profile is called).
@@ -77,6 +81,7 @@ class Profile:
     attention: AttentionKernel = AttentionKernel.HF
     gemm: GemmKernel = GemmKernel.TORCH
     forward: ForwardKernel = ForwardKernel.HF
+    quantization: Scheme = NONE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -93,6 +98,7 @@ class Profile:
         set_(self, "attention", AttentionKernel.parse(self.attention, "attention kernel"))
         set_(self, "gemm", GemmKernel.parse(self.gemm, "gemm kernel"))
         set_(self, "forward", ForwardKernel.parse(self.forward, "forward kernel"))
+        set_(self, "quantization", Scheme.parse(self.quantization))
 
     def rules(self) -> tuple:
         """What decides this profile's numerics (``RULES``), without its name, engines or source."""
@@ -118,11 +124,15 @@ class Profile:
         if not self.uses_engine_kernels:
             return self
         stock = dataclasses.replace(self, attention=AttentionKernel.HF, gemm=GemmKernel.TORCH, forward=ForwardKernel.HF)
+        # The served quantization stays: it is what the engine computes, not a kernel of the trainer's
+        # (``vllm-..-kernels+quantization=w8a8-int8`` -> ``vllm-..+quantization=w8a8-int8``, quantization-aligned).
+        name, plus, tag = self.name.partition("+quantization=")
         suffixes = ("-reference-kernels", "-compiled-kernels", "-kernels")
-        base_name = next((self.name.removesuffix(x) for x in suffixes if self.name.endswith(x)), self.name)
+        base_name = next((name.removesuffix(x) for x in suffixes if name.endswith(x)), name)
         base = _BUILTINS.table.get(base_name)
-        name = base.name if base is not None and base.rules() == stock.rules() else f"{self.name}-rounding"
-        return dataclasses.replace(stock, name=name)
+        unquantized = dataclasses.replace(stock, quantization=NONE)
+        name = base.name if base is not None and base.rules() == unquantized.rules() else f"{name}-rounding"
+        return dataclasses.replace(stock, name=name + plus + tag)
 
     def rope_for(self, head_dim: int) -> RopeRule:
         """The RoPE rule a model with this head_dim gets."""
@@ -130,18 +140,27 @@ class Profile:
 
     def replace(self, **overrides) -> Profile:
         """A copy with some regions or kernels overridden; the name records what changed (``vllm+rope=fp32/once``)."""
-        unknown = set(overrides) - set(REGIONS) - set(KERNELS)
+        unknown = set(overrides) - set(REGIONS) - set(KERNELS) - {"quantization"}
         if unknown:
             raise TypeError(
                 f"unknown region(s) {sorted(unknown)}; the regions are {', '.join(REGIONS)}, the kernels "
-                f"{', '.join(KERNELS)}"
+                f"{', '.join(KERNELS)}, and quantization"
             )
         new = dataclasses.replace(self, **overrides)  # parses and validates every override
         changed = sorted(k for k in overrides if getattr(new, k) != getattr(self, k))
         if not changed:
             return self  # e.g. apply(model, "vllm", rope="bf16/once") is just "vllm"
-        tag = "+".join(f"{k}={getattr(new, k)}" for k in changed)
-        return dataclasses.replace(new, name=f"{self.name}+{tag}")
+        base_name, _, tags = self.name.partition("+")
+        base = _BUILTINS.table.get(base_name)
+        if base is None:
+            tag = "+".join(f"{k}={getattr(new, k)}" for k in changed)
+            return dataclasses.replace(new, name=f"{self.name}+{tag}")
+        # A built-in with overrides: one tag per field that differs from the built-in, whatever the order of the
+        # replacements (vllm+quantization=w8a8-int8 with quantization=none again is vllm).
+        pairs = dict(t.partition("=")[::2] for t in tags.split("+") if t)
+        pairs.update({k: str(getattr(new, k)) for k in changed})
+        pairs = {k: v for k, v in pairs.items() if k not in RULES or str(getattr(base, k)) != v}
+        return dataclasses.replace(new, name="+".join([base_name, *(f"{k}={v}" for k, v in pairs.items())]))
 
     def to_dict(self) -> dict:
         rope = self.rope

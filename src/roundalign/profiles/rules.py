@@ -184,9 +184,10 @@ SEARCHED_ROPE_RULES = tuple(
 
 REGIONS = ("rms_norm", "qk_norm", "residual", "rope", "swiglu", "expert_swiglu")
 KERNELS = ("attention", "gemm", "forward")
-# Everything that decides a profile's numerics: the regions' rounding rules, where RoPE's angles come from and the
-# kernels. Two profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
-RULES = (*REGIONS, "rope_angles", *KERNELS)
+# Everything that decides a profile's numerics: the regions' rounding rules, where RoPE's angles come from, the
+# kernels and what the engine serves (``quantization``: a ``roundalign.quant`` scheme, none for the bf16 copy). Two
+# profiles with the same rules compute the same bits, whatever their names (``Profile.rules``).
+RULES = (*REGIONS, "rope_angles", *KERNELS, "quantization")
 
 
 _FORMULAS = {

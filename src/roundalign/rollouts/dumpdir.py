@@ -29,7 +29,11 @@ from roundalign.untrusted import read_json_object
 
 FORMAT, VERSION = "roundalign-engine-dump", 2  # 2: engine.json records "complete"
 DUMP_FILES = ("decode.jsonl", "prefill.jsonl", "engine.json")
-BESIDE = ("engine.log", "prompts.jsonl")  # what probe and calibrate write next to a dump (engines/launch.py)
+BESIDE = (
+    "engine.log",
+    "prompts.jsonl",
+    "served-model",
+)  # what probe, calibrate and a quantized dump write next to a dump
 REFERENCES = ("decode", "prefill")  # file stems, and the reference names the probe reports
 
 

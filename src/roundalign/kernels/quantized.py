@@ -1,0 +1,100 @@
+"""The trainer's linear layers computed as a quantized engine computes them, with the straight-through gradient.
+
+Under a profile with a quantization scheme (``Profile.quantization``), each of a module's projections (q/k/v, o,
+gate/up, down; never the lm_head, which the engines keep in bf16) is served quantized: ``project`` quantizes the
+trainer's current weights onto the scheme's grid (``roundalign.quant.grid``, as the exported checkpoint holds
+them) and computes the layer at one of two levels, chosen by the profile's GEMM kernel:
+
+- ``torch`` (quantization-aligned): the engine's quantizer and epilogue order, torch's GEMM. W8A8 int8: vLLM's
+  per-token activation quantizer, ``torch._int_mm`` (int32 accumulation is exact in any order), then
+  ``bf16((acc * weight_scale) * activation_scale + bias)`` in fp32, the order of vLLM's oneDNN epilogue. W4A16: the
+  weight dequantized as vLLM does (``(code - zp) * scale`` in fp32, rounded to bf16) and torch's bf16 linear.
+- ``vllm-cpu`` (exact): vLLM's own quantized layer for these served tensors (``vllm_quant``), whatever kernel and
+  ISA vLLM picks on this CPU.
+- ``reference``: the aligned computation, one call per row (the reference engine's decode).
+
+**Backward: straight-through.** The forward's weight is the dequantized served copy ``Q(W)``; the gradient is that
+of ``x @ Q(W)^T`` with ``dQ/dW = I``: ``dx = g @ Q(W)`` (the dequantized weight, bf16) and ``dW = g^T x``, which
+reaches the fp32 master as a bf16 linear's weight gradient does. This is the estimator quantization-aware training
+uses (Bengio et al. 2013; QAT in torchao and llm-compressor); docs/quantization.md says what it does and does not
+promise.
+
+The served copy is kept on the module while its weights hold the same bits, as the engine keeps it between syncs;
+a change of the weights (an optimizer step) quantizes and prepares it again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from roundalign.errors import UserError
+from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, _plain_linears
+from roundalign.mixed_precision import engine_weight, low_dtype
+from roundalign.profiles import GemmKernel
+from roundalign.quant.grid import Quantized, int8_linear, quantize_weight
+from roundalign.quant.schemes import Scheme
+
+
+def _run(scheme: Scheme, gemm: GemmKernel, parts: list[Quantized], dequantized, bias):
+    """The forward for the fused served ``parts``: ``x (rows, in) -> (rows, out)``."""
+    if gemm is GemmKernel.VLLM_CPU:
+        from roundalign.kernels import vllm_quant
+
+        return vllm_quant.linear(scheme, parts, bias, dequantized.dtype)
+    if scheme.weights == "int8" and scheme.activations == "int8-token":
+        fused = Quantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None)
+        run = lambda x: int8_linear(x, fused, bias)  # noqa: E731
+    elif scheme.weight_only:
+        run = lambda x: F.linear(x, dequantized, bias)  # noqa: E731
+    else:
+        raise UserError(f"quantization {scheme}: no trainer computation for it here")
+    if gemm is GemmKernel.REFERENCE:  # one call per row, as the reference engine's decode
+        return lambda x: torch.cat([run(x[i : i + 1]) for i in range(x.shape[0])])
+    return run
+
+
+def _served(module, key: str, weights, biases, scheme: Scheme, gemm: GemmKernel):
+    """``(dequantized fused weight, forward)`` of the served copy of ``weights``, kept on ``module`` for as long as
+    they hold the same bits (quantized and prepared again after any change)."""
+    cache = module.__dict__.setdefault("_roundalign_quant_cache", {})
+    hit = cache.get(key)
+    fresh = (
+        hit is not None
+        and hit[0] == (scheme, gemm)
+        and _holds(hit[1], weights)
+        and (hit[2] is None) == (not biases)
+        and (not biases or _holds(hit[2], biases))
+    )
+    if not fresh:
+        old = cache.pop(key, (None, None, None, None, None))
+        del hit
+        with torch.no_grad():
+            source = _concat(weights, old[1])
+            bias = _concat(biases, old[2]) if biases else None
+            parts = [quantize_weight(w, scheme) for w in weights]
+            dequantized = torch.cat([p.dequantize(weights[0].dtype) for p in parts])
+        del old
+        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, _run(scheme, gemm, parts, dequantized, bias))
+    return hit[3], hit[4]
+
+
+def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, scheme: Scheme) -> list:
+    """``[module.<name>(x) for name in names]`` as the quantized engine computes them (one fused layer, as vLLM
+    fuses q/k/v and gate/up), with the straight-through gradient (module docstring)."""
+    mods = _plain_linears(module, names)
+    low = low_dtype(x)
+    weights = [engine_weight(m.weight, low) for m in mods]
+    biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
+    if biases and len(biases) != len(mods):
+        raise UserError(f"{', '.join(names)}: some have a bias and some not; vLLM fuses them only when all or none do")
+    for name, w in zip(names, weights, strict=True):
+        scheme.check_shape(name, *w.shape)
+    dequantized, run = _served(module, ",".join(names), weights, biases, scheme, gemm)
+    out = _EngineLinear.apply(x.to(low), run, dequantized, len(weights), *weights, *biases)
+    if len(mods) == 1:
+        return [out]
+    return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)]
+
+
+__all__ = ["project"]

@@ -1,0 +1,96 @@
+"""vLLM's quantized CPU linear layers, built on a stand-in layer exactly as vLLM builds them from a checkpoint.
+
+For a quantized rollout the engine computes each linear with its compressed-tensors scheme's kernel: the int8 W8A8
+kernel (``CPUInt8ScaledMMLinearKernel``: oneDNN's s8s8 GEMM with vLLM's per-token activation quantizer, or, on AMX
+CPUs, its fused ``int8_scaled_mm_with_quant``) or the 4-bit W4A16 kernel (``CPUWNA16LinearKernel``:
+``cpu_gemm_wna16``). Which one, and with which ISA, vLLM decides per CPU and shape. So the trainer does not call
+the ops itself: it creates vLLM's own scheme object (``CompressedTensorsW8A8Int8`` / ``CompressedTensorsWNA16``),
+lets it create its parameters on a stand-in module, fills them with the served tensors in the checkpoint's layout
+(as vLLM's weight loader does for a fused q/k/v or gate/up: the parts' rows one after the other), runs its
+``process_weights_after_loading`` (packing, oneDNN handles) and calls its ``apply_weights``: whatever vLLM would
+compute on this CPU. Read against vLLM 0.32 (``compressed_tensors/schemes``, ``kernels/linear/scaled_mm/cpu.py``,
+``kernels/linear/mixed_precision/cpu.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+from roundalign.errors import UserError
+from roundalign.kernels import vllm_cpu
+from roundalign.quant.grid import Quantized, pack_int4
+from roundalign.quant.schemes import Scheme
+
+
+@contextlib.contextmanager
+def _one_rank():
+    """vLLM's parameters record their tensor-parallel rank at creation, which needs its process groups; a stand-in
+    layer is the whole layer (one rank of one), so the two lookups answer that, for the creation only."""
+    import vllm.model_executor.parameter as parameter
+
+    with (
+        mock.patch.object(parameter, "get_tensor_model_parallel_rank", lambda: 0),
+        mock.patch.object(parameter, "get_tensor_model_parallel_world_size", lambda: 1),
+    ):
+        yield
+
+
+def _scheme(scheme: Scheme):
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Int8,
+        CompressedTensorsWNA16,
+    )
+
+    if scheme.weights == "int8" and scheme.activations == "int8-token":
+        return CompressedTensorsW8A8Int8(scheme.strategy, is_static_input_scheme=False, input_symmetric=True)
+    if scheme.weights == "int4" and scheme.weight_only:
+        return CompressedTensorsWNA16(
+            strategy=scheme.strategy, num_bits=4, group_size=scheme.group_size, symmetric=scheme.symmetric
+        )
+    raise UserError(f"the exact trainer has no vLLM CPU kernel for {scheme}; use gemm='torch' (quantization-aligned)")
+
+
+def _load(param, loaded):
+    param.data.copy_(loaded)
+
+
+def layer(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dtype=torch.bfloat16):
+    """vLLM's scheme object and its processed stand-in layer for the fused ``parts`` (each a projection's served
+    weight, in the order vLLM fuses them): ``(method, layer)``, computed by ``method.apply_weights(layer, x, bias)``."""
+    vllm_cpu.load()
+    method = _scheme(scheme)
+    widths = [p.codes.shape[0] for p in parts]
+    inputs = parts[0].codes.shape[1]
+    stand_in = torch.nn.Module()
+    with _one_rank():
+        method.create_weights(
+            stand_in, output_partition_sizes=widths, input_size_per_partition=inputs, output_size=sum(widths),
+            input_size=inputs, params_dtype=dtype, weight_loader=_load,
+        )  # fmt: skip
+    codes = torch.cat([p.codes for p in parts])
+    scale = torch.cat([p.scale for p in parts])
+    with torch.no_grad():
+        if scheme.weights == "int8":
+            stand_in.weight.copy_(codes)
+            stand_in.weight_scale.copy_(scale.float())
+        else:
+            stand_in.weight_packed.copy_(pack_int4(codes, dim=1))
+            stand_in.weight_scale.copy_(scale.to(dtype))
+            if not scheme.symmetric:
+                stand_in.weight_zero_point.copy_(pack_int4(torch.cat([p.zero_point for p in parts]), dim=0))
+    bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    stand_in.register_parameter("bias", bias)
+    method.process_weights_after_loading(stand_in)
+    return method, stand_in
+
+
+def linear(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dtype=torch.bfloat16):
+    """vLLM's layer for the fused ``parts``, as a function ``x (rows, in) -> (rows, out)``."""
+    method, stand_in = layer(scheme, parts, bias, dtype)
+    return lambda x: method.apply_weights(stand_in, x, stand_in.bias)
+
+
+__all__ = ["layer", "linear"]

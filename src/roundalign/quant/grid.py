@@ -1,0 +1,132 @@
+"""The quantizers: a weight onto its scheme's grid, its dequantized value, and the engine's activation quantizer.
+
+Weights are quantized as the format's reference producer (compressed-tensors, which llm-compressor runs) computes
+them, so that a checkpoint we write holds the codes an independent producer writes from the same weights:
+
+- symmetric: ``scale = amax / ((hi - lo) / 2)`` (``amax / 127.5`` for int8, ``amax / 7.5`` for int4: the format's
+  half range, so the largest weight lands on ``hi + 0.5`` and clamps to ``hi``), ``code = clamp(round(w / scale))``;
+- with zero points: ``scale = (max(w, 0) - min(w, 0)) / (hi - lo)``, ``zp = round(clamp(lo - min / scale))``,
+  ``code = clamp(round(w / scale + zp))``;
+- a zero scale becomes the dtype's epsilon; rounding is half to even (``torch.round``).
+
+The arithmetic is in the weight's dtype, as compressed-tensors runs it on the model it is given: on the bf16 cast
+of the trainer's weights by default (what the served bf16 checkpoint is, and what the producer reads), so the scale
+and ``w / scale`` are rounded to bf16 on the way. ``source="fp32"`` quantizes the fp32 master instead
+(docs/quantization.md measures how often the codes differ).
+
+The activation quantizer is vLLM's dynamic per-token int8 quantizer (``onednn_scaled_int8_quant``, measured bit for
+bit): ``s = amax(|x_row|) / 127`` in fp32, ``code = clamp(round(x * (1 / s)))`` (a multiply by the reciprocal, not
+a division: the two differ in the last bit for about one value in a few hundred).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roundalign.quant.schemes import Scheme
+
+
+@dataclass
+class Quantized:
+    """A weight on its scheme's grid: ``codes`` (``int8``, signed: ``[-8, 7]`` for int4), ``scale`` (per output
+    row and group: ``(out, groups)``), ``zero_point`` (signed ``int8``, ``(out, groups)``, or None)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``(code - zp) * scale`` in fp32, rounded once to ``dtype`` (vLLM's CPU W4A16 dequantizes so before its bf16
+        GEMM; for int8 this is the straight-through weight of the backward)."""
+        out, groups = self.scale.shape
+        codes = self.codes.float().view(out, groups, -1)
+        if self.zero_point is not None:
+            codes = codes - self.zero_point.float()[..., None]
+        return (codes * self.scale.float()[..., None]).view(self.codes.shape).to(dtype)
+
+
+def _groups(scheme: Scheme, w: torch.Tensor) -> torch.Tensor:
+    """``w`` as ``(out, groups, per group)``."""
+    out, inp = w.shape
+    size = scheme.group_size if scheme.strategy == "group" else inp
+    if scheme.strategy == "tensor":
+        return w.reshape(1, 1, -1)
+    return w.reshape(out, inp // size, size)
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Quantized:
+    """``w`` (``(out, in)``) on ``scheme``'s grid, as compressed-tensors computes it (module docstring).
+
+    ``source``: ``"bf16"`` (default) quantizes the bf16 cast of ``w``, in bf16 arithmetic; ``"fp32"`` quantizes
+    ``w`` in fp32 (the scale is still stored in bf16, as the checkpoint holds it, and the codes are computed with
+    the stored scale)."""
+    if scheme.weights not in ("int8", "int4"):
+        raise NotImplementedError(f"quantize_weight: {scheme} weights are not on an integer grid")
+    if source not in ("bf16", "fp32"):
+        raise ValueError(f"source must be 'bf16' or 'fp32', got {source!r}")
+    dtype = torch.bfloat16 if source == "bf16" else torch.float32
+    x = _groups(scheme, w.detach().to(dtype))
+    lo, hi = scheme.grid
+    zero = torch.zeros((), dtype=dtype)
+    mn, mx = torch.minimum(x.amin(-1), zero), torch.maximum(x.amax(-1), zero)
+    if scheme.symmetric:
+        scale = torch.maximum(mn.abs(), mx) / ((hi - lo) / 2)
+    else:
+        scale = (mx - mn) / float(hi - lo)
+    scale = scale.to(torch.bfloat16)  # what the checkpoint stores (the model's dtype)
+    scale = torch.where(scale == 0, torch.finfo(torch.bfloat16).eps, scale).to(dtype)
+    zp = None
+    scaled = x / scale[..., None]
+    if not scheme.symmetric:
+        zp = torch.round(torch.clamp(lo - mn / scale, lo, hi))
+        scaled = scaled + zp[..., None]
+    codes = torch.round(torch.clamp(scaled, lo, hi)).to(torch.int8).reshape(w.shape)
+    zp = None if zp is None else zp.to(torch.int8)
+    scale = scale.to(torch.bfloat16)
+    if scheme.strategy == "tensor":
+        scale, zp = scale.expand(w.shape[0], 1), None if zp is None else zp.expand(w.shape[0], 1)
+    return Quantized(codes, scale, zp)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's dynamic per-token int8 quantizer on ``x`` (``(rows, in)``): ``(codes int8, scale fp32 (rows, 1))``."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    return torch.round(xf * inverse).clamp(-128, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A W8A8 int8 linear as vLLM's CPU oneDNN kernel computes it (measured bit for bit): the activations quantized
+    per token (``quantize_activations``), an int32 GEMM (exact in any order), then in fp32
+    ``(acc * weight_scale) * token_scale + bias``, rounded once to ``x``'s dtype."""
+    codes, scale = quantize_activations(x)
+    acc = torch._int_mm(codes, weight.codes.t()).float()
+    out = (acc * weight.scale.float().view(1, -1)) * scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """compressed-tensors' ``pack-quantized`` packing: signed 4-bit ``values`` shifted to ``[0, 15]`` (``+ 8``), eight
+    to an ``int32`` along ``dim``, the first in the lowest four bits."""
+    u = (values.to(torch.int32) + 8).movedim(dim, -1)
+    u = u.reshape(*u.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    packed = (u << shifts).sum(-1, dtype=torch.int64)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the int32 with those bits
+    return packed.movedim(-1, dim).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """``pack_int4``'s inverse: signed ``int8`` values."""
+    p = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    u = (p[..., None] >> shifts) & 0xF
+    return (u.reshape(*p.shape[:-1], -1) - 8).to(torch.int8).movedim(-1, dim).contiguous()
+
+
+__all__ = ["Quantized", "int8_linear", "pack_int4", "quantize_activations", "quantize_weight", "unpack_int4"]
