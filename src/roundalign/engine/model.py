@@ -39,7 +39,7 @@ from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
-from roundalign.quant.grid import int8_linear, quantize_weight
+from roundalign.quant.grid import fp8_linear, int8_linear, quantize_weight
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -108,8 +108,8 @@ class KernelsModel:
         return linear(x, lin.weight, lin.bias, rows)
 
     def _quantized_linear(self, x: torch.Tensor, lin, step: Step) -> torch.Tensor:
-        """A served quantized linear: W8A8 int8 as vLLM's CPU kernel computes it (``quant.grid.int8_linear``: its
-        activation quantizer, an exact int32 GEMM, its epilogue), weight-only schemes as a 16-bit GEMM on the
+        """A served quantized linear: W8A8 int8 and FP8 as vLLM's CPU kernels compute them (``quant.grid.int8_linear``,
+        ``fp8_linear``: its activation quantizer, GEMM and epilogue), weight-only schemes as a 16-bit GEMM on the
         dequantized weight; one call per sequence (or row), as every GEMM here."""
         w = lin.weight
         hit = self._quantized.get(id(w))
@@ -119,7 +119,8 @@ class KernelsModel:
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
         if self.quant.weight_only:
             return linear(x, hit[2], lin.bias, rows)
-        return torch.cat([int8_linear(x[start : start + n], hit[1], lin.bias) for start, n in rows])
+        gemm = int8_linear if self.quant.activations == "int8-token" else fp8_linear
+        return torch.cat([gemm(x[start : start + n], hit[1], lin.bias) for start, n in rows])
 
     def _attention(self, i: int, a, h: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim

@@ -7,7 +7,8 @@ them) and computes the layer at one of two levels, chosen by the profile's GEMM 
 
 - ``torch`` (quantization-aligned): the engine's quantizer and epilogue order, torch's GEMM. W8A8 int8: vLLM's
   per-token activation quantizer, ``torch._int_mm`` (int32 accumulation is exact in any order), then
-  ``bf16((acc * weight_scale) * activation_scale + bias)`` in fp32, the order of vLLM's oneDNN epilogue. W4A16: the
+  ``bf16((acc * weight_scale) * activation_scale + bias)`` in fp32, the order of vLLM's oneDNN epilogue. FP8: vLLM's
+  per-token E4M3 quantizer, the fp32 GEMM its ``torch._scaled_mm`` fallback runs, its epilogue. W4A16: the
   weight dequantized as vLLM does (``(code - zp) * scale`` in fp32, rounded to bf16) and torch's bf16 linear.
 - ``vllm-cpu`` (exact): vLLM's own quantized layer for these served tensors (``vllm_quant``), whatever kernel and
   ISA vLLM picks on this CPU.
@@ -32,7 +33,7 @@ from roundalign.errors import UserError
 from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, _plain_linears
 from roundalign.mixed_precision import engine_weight, low_dtype
 from roundalign.profiles import GemmKernel
-from roundalign.quant.grid import Quantized, int8_linear, quantize_weight
+from roundalign.quant.grid import Quantized, fp8_linear, int8_linear, quantize_weight
 from roundalign.quant.schemes import Scheme
 
 
@@ -42,9 +43,10 @@ def _run(scheme: Scheme, gemm: GemmKernel, parts: list[Quantized], dequantized, 
         from roundalign.kernels import vllm_quant
 
         return vllm_quant.linear(scheme, parts, bias, dequantized.dtype)
-    if scheme.weights == "int8" and scheme.activations == "int8-token":
+    if scheme.activations in ("int8-token", "fp8-token"):
         fused = Quantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None)
-        run = lambda x: int8_linear(x, fused, bias)  # noqa: E731
+        gemm_of = int8_linear if scheme.activations == "int8-token" else fp8_linear
+        run = lambda x: gemm_of(x, fused, bias)  # noqa: E731
     elif scheme.weight_only:
         run = lambda x: F.linear(x, dequantized, bias)  # noqa: E731
     else:

@@ -38,12 +38,44 @@ def _one_rank():
         yield
 
 
+@contextlib.contextmanager
+def _fp8_config():
+    """What vLLM's FP8 scheme reads while it is built: the current vLLM config (its ``enforce_eager`` compilation
+    mode, under which the kernel pads activations to 17 rows), the model's dtype from it, and the default dtype,
+    which it takes as its output dtype: bf16, as the engine serves it."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a8_fp8 as fp8,
+    )
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    served = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.bfloat16), compilation_config=config.compilation_config
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with set_current_vllm_config(config), mock.patch.object(fp8, "get_current_vllm_config", lambda: served):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _scheme(scheme: Scheme):
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW8A8Int8,
         CompressedTensorsWNA16,
     )
 
+    if scheme.weights == "fp8" and scheme.activations == "fp8-token":
+        from compressed_tensors.quantization import QuantizationArgs
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
+
+        args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
+        return CompressedTensorsW8A8Fp8(args, is_static_input_scheme=False)
     if scheme.weights == "int8" and scheme.activations == "int8-token":
         return CompressedTensorsW8A8Int8(scheme.strategy, is_static_input_scheme=False, input_symmetric=True)
     if scheme.weights == "int4" and scheme.weight_only:
@@ -61,6 +93,11 @@ def layer(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dty
     """vLLM's scheme object and its processed stand-in layer for the fused ``parts`` (each a projection's served
     weight, in the order vLLM fuses them): ``(method, layer)``, computed by ``method.apply_weights(layer, x, bias)``."""
     vllm_cpu.load()
+    with _fp8_config() if scheme.weights == "fp8" else contextlib.nullcontext():
+        return _layer(scheme, parts, bias, dtype)
+
+
+def _layer(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dtype):
     method = _scheme(scheme)
     widths = [p.codes.shape[0] for p in parts]
     inputs = parts[0].codes.shape[1]
@@ -73,7 +110,7 @@ def layer(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dty
     codes = torch.cat([p.codes for p in parts])
     scale = torch.cat([p.scale for p in parts])
     with torch.no_grad():
-        if scheme.weights == "int8":
+        if scheme.weights in ("int8", "fp8"):
             stand_in.weight.copy_(codes)
             stand_in.weight_scale.copy_(scale.float())
         else:

@@ -6,6 +6,7 @@ the lm_head quantized (``roundalign.quant.grid``), the rest (embeddings, norms, 
 compressed-tensors defines and vLLM's ``CompressedTensorsConfig`` reads:
 
 - ``int-quantized`` (W8A8 int8): ``P.weight`` int8 ``(out, in)``, ``P.weight_scale`` ``(out, 1)``;
+- ``float-quantized`` (FP8): ``P.weight`` float8_e4m3fn ``(out, in)``, ``P.weight_scale`` ``(out, 1)``;
 - ``pack-quantized`` (W4A16): ``P.weight_packed`` int32 ``(out, in / 8)`` (codes + 8, eight per int32 along the
   input, lowest bits first), ``P.weight_scale`` ``(out, in / group)``, ``P.weight_shape`` int64 ``[out, in]``, and
   with zero points ``P.weight_zero_point`` int32 ``(out / 8, in / group)`` (packed along the output).
@@ -42,7 +43,7 @@ def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
 
 def tensors(name: str, q: Quantized, scheme: Scheme) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized linear (``name`` without ``.weight``)."""
-    if scheme.weights == "int8":
+    if scheme.weights in ("int8", "fp8"):
         return {f"{name}.weight": q.codes, f"{name}.weight_scale": q.scale}
     out = {
         f"{name}.weight_packed": pack_int4(q.codes, dim=1),
@@ -141,14 +142,15 @@ def read(checkpoint_dir: str | Path) -> tuple[Scheme, dict[str, Quantized]]:
             continue
         name = key.removesuffix(".weight_scale")
         scale = state[key].to(torch.bfloat16)
-        if scheme.weights == "int8":
+        if scheme.weights in ("int8", "fp8"):
             codes = state[f"{name}.weight"]
         else:
             codes = unpack_int4(state[f"{name}.weight_packed"], dim=1)[:, : int(state[f"{name}.weight_shape"][1])]
         zp = state.get(f"{name}.weight_zero_point")
         if zp is not None:
             zp = unpack_int4(zp, dim=0)[: codes.shape[0]]
-        out[name] = Quantized(codes.to(torch.int8), scale.view(codes.shape[0], -1), zp)
+        codes = codes if scheme.weights == "fp8" else codes.to(torch.int8)
+        out[name] = Quantized(codes, scale.view(codes.shape[0], -1), zp)
     return scheme, out
 
 

@@ -4,7 +4,8 @@ Weights are quantized as the format's reference producer (compressed-tensors, wh
 them, so that a checkpoint we write holds the codes an independent producer writes from the same weights:
 
 - symmetric: ``scale = amax / ((hi - lo) / 2)`` (``amax / 127.5`` for int8, ``amax / 7.5`` for int4: the format's
-  half range, so the largest weight lands on ``hi + 0.5`` and clamps to ``hi``), ``code = clamp(round(w / scale))``;
+  half range, so the largest weight lands on ``hi + 0.5`` and clamps to ``hi``; ``amax / 448`` for FP8 E4M3),
+  ``code = clamp(round(w / scale))`` (for FP8 the cast to E4M3 rounds);
 - with zero points: ``scale = (max(w, 0) - min(w, 0)) / (hi - lo)``, ``zp = round(clamp(lo - min / scale))``,
   ``code = clamp(round(w / scale + zp))``;
 - a zero scale becomes the dtype's epsilon; rounding is half to even (``torch.round``).
@@ -56,14 +57,22 @@ def _groups(scheme: Scheme, w: torch.Tensor) -> torch.Tensor:
     return w.reshape(out, inp // size, size)
 
 
+def _to_grid(scaled: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Values already clamped to the grid's range, onto its codes: integers (round half to even, as int8) or E4M3
+    (the cast rounds to nearest even)."""
+    if scheme.weights == "fp8":
+        return scaled.to(torch.float8_e4m3fn)
+    return torch.round(scaled).to(torch.int8)
+
+
 def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Quantized:
     """``w`` (``(out, in)``) on ``scheme``'s grid, as compressed-tensors computes it (module docstring).
 
     ``source``: ``"bf16"`` (default) quantizes the bf16 cast of ``w``, in bf16 arithmetic; ``"fp32"`` quantizes
     ``w`` in fp32 (the scale is still stored in bf16, as the checkpoint holds it, and the codes are computed with
     the stored scale)."""
-    if scheme.weights not in ("int8", "int4"):
-        raise NotImplementedError(f"quantize_weight: {scheme} weights are not on an integer grid")
+    if not scheme.quantized:
+        raise ValueError("quantize_weight: the 'none' scheme serves bf16 weights")
     if source not in ("bf16", "fp32"):
         raise ValueError(f"source must be 'bf16' or 'fp32', got {source!r}")
     dtype = torch.bfloat16 if source == "bf16" else torch.float32
@@ -82,7 +91,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Qu
     if not scheme.symmetric:
         zp = torch.round(torch.clamp(lo - mn / scale, lo, hi))
         scaled = scaled + zp[..., None]
-    codes = torch.round(torch.clamp(scaled, lo, hi)).to(torch.int8).reshape(w.shape)
+    codes = _to_grid(torch.clamp(scaled, lo, hi), scheme).reshape(w.shape)
     zp = None if zp is None else zp.to(torch.int8)
     scale = scale.to(torch.bfloat16)
     if scheme.strategy == "tensor":
@@ -110,6 +119,34 @@ def int8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = 
     return out.to(x.dtype)
 
 
+FP8_MAX = 448.0  # E4M3's largest finite value
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
+
+
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's dynamic per-token FP8 quantizer (``QuantFP8.forward_native``): ``s = max(amax / 448, 1 / (448 *
+    512))`` in fp32, ``code = e4m3(clamp(x * (1 / s)))``: ``(codes float8_e4m3fn, scale fp32 (rows, 1))``."""
+    amax = x.abs().amax(-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An FP8 W8A8 linear as vLLM's CPU build computes it without AMX (``ChannelWiseTorchFP8ScaledMMLinearKernel``,
+    measured bit for bit): activations quantized per token (padded with zero rows to at least 17, vLLM's
+    ``num_token_padding``), ``torch._scaled_mm``'s CPU emulation (both operands upcast to fp32, an fp32 matmul),
+    then ``(acc * token_scale) * weight_scale + bias`` in fp32, rounded once to ``x``'s dtype. The padding matters:
+    an fp32 GEMM of fewer than 12 rows takes another reduction order here."""
+    codes, scale = quantize_activations_fp8(x)
+    rows = codes.shape[0]
+    a = torch.nn.functional.pad(codes.float(), (0, 0, 0, max(17 - rows, 0)))
+    acc = torch.matmul(a, weight.codes.float().t().contiguous())[:rows]
+    out = acc * scale * weight.scale.float().view(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     """compressed-tensors' ``pack-quantized`` packing: signed 4-bit ``values`` shifted to ``[0, 15]`` (``+ 8``), eight
     to an ``int32`` along ``dim``, the first in the lowest four bits."""
@@ -129,4 +166,15 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return (u.reshape(*p.shape[:-1], -1) - 8).to(torch.int8).movedim(-1, dim).contiguous()
 
 
-__all__ = ["Quantized", "int8_linear", "pack_int4", "quantize_activations", "quantize_weight", "unpack_int4"]
+__all__ = [
+    "FP8_MAX",
+    "FP8_MIN_SCALE",
+    "Quantized",
+    "fp8_linear",
+    "int8_linear",
+    "pack_int4",
+    "quantize_activations_fp8",
+    "quantize_activations",
+    "quantize_weight",
+    "unpack_int4",
+]

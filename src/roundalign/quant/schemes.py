@@ -12,7 +12,8 @@ integrations then all carry it. A scheme says what the engine serves for every l
 The built-ins are what vLLM's CPU build serves from a compressed-tensors checkpoint (docs/quantization.md):
 ``w8a8-int8`` (llm-compressor's W8A8 int8: per-channel weights, dynamic per-token activations), ``w4a16`` (GPTQ/AWQ-
 style 4-bit groups of 128, symmetric), ``w4a16-g32`` (groups of 32), ``w4a16-zp`` and ``w4a16-g32-zp`` (with zero
-points), and the FP8 schemes that run on this build. ``none`` is the bf16 engine.
+points), and ``fp8`` (llm-compressor's FP8_DYNAMIC: E4M3 per-channel weights, dynamic per-token E4M3 activations;
+vLLM's CPU build fails to load per-tensor FP8, so there is no per-tensor scheme). ``none`` is the bf16 engine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from roundalign.errors import UserError
 
 WEIGHT_GRIDS = {"int8": (-128, 127), "int4": (-8, 7), "fp8": (-448.0, 448.0)}  # (lowest, highest) code
-ACTIVATIONS = ("none", "int8-token")
+ACTIVATIONS = ("none", "int8-token", "fp8-token")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Scheme:
     strategy: str = "channel"  # "channel", "group" or "tensor": one scale per output row, per group, or one
     group_size: int | None = None  # inputs per scale under "group"
     symmetric: bool = True  # False: a zero point per scale (codes shifted by it)
-    activations: str = "none"  # "none" (bf16 activations) or "int8-token" (dynamic, one scale per row)
+    activations: str = "none"  # "none" (bf16 activations), "int8-token" or "fp8-token" (dynamic, one scale per row)
     description: str = ""
 
     def __str__(self) -> str:
@@ -95,10 +96,10 @@ class Scheme:
             "observer": "minmax",
         }
         activations = None
-        if self.activations == "int8-token":
+        if self.activations in ("int8-token", "fp8-token"):
             activations = {
-                "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
-                "dynamic": True, "actorder": None, "observer": None,
+                "num_bits": 8, "type": "float" if self.activations == "fp8-token" else "int", "symmetric": True,
+                "strategy": "token", "group_size": None, "dynamic": True, "actorder": None, "observer": None,
             }  # fmt: skip
         formats = {"int8": "int-quantized", "int4": "pack-quantized", "fp8": "float-quantized"}
         return {
@@ -131,6 +132,14 @@ SCHEMES: dict[str, Scheme] = {
             strategy="channel",
             activations="int8-token",
             description="int8 weights, one scale per output channel; int8 activations, one dynamic scale per token",
+        ),
+        Scheme(
+            "fp8",
+            weights="fp8",
+            strategy="channel",
+            activations="fp8-token",
+            description="FP8 E4M3 weights, one scale per output channel; FP8 activations, one dynamic scale per token "
+            "(llm-compressor's FP8_DYNAMIC)",
         ),
         Scheme("w4a16", weights="int4", strategy="group", group_size=128,
                description="4-bit weights in groups of 128 inputs, symmetric (GPTQ/AWQ-style); bf16 activations"),
