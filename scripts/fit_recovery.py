@@ -34,8 +34,10 @@ def main() -> None:
     cases = [(p, m, "kernels") for m in args.modes.split(",") for p in args.profiles.split(",")]
     if "decode" in args.modes.split(",") and "vllm" in args.profiles.split(","):
         cases.append(("vllm", "decode", "inductor"))
-    print("| true profile | dump | fitted (bitwise identical on the dump) | true recovered | regions: determined / "
-          "identical / unclear | best bitwise-equal | margin over runner-up | fit time |")
+    print(
+        "| true profile | dump | fitted (bitwise identical on the dump) | true recovered | regions: determined / "
+        "identical / unclear | best bitwise-equal | margin over runner-up | fit time |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for profile, mode, backend in cases:
         dump = reference_dump(profile, mode=mode, backend=backend, tokens=args.tokens)
@@ -45,18 +47,30 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         truth = result.space.key_of(profile)
         recovered = truth in result.equivalents
-        status = {s: [r for r, d in result.regions.items() if d["status"] == s]
-                  for s in ("determined", "identical", "unclear")}
+        status = {
+            s: [r for r, d in result.regions.items() if d["status"] == s]
+            for s in ("determined", "identical", "unclear")
+        }
         wrong = [r for r in status["determined"] if result.regions[r]["rule"] != truth.rule(r)]
         m = result.margin
-        margin = (f"{m['bitwise_equal_frac_gap'] * 100:+.1f} pts, z {m['z']:.1f}" if m.get("runner_up") else "none")
+        margin = f"{m['bitwise_equal_frac_gap'] * 100:+.1f} pts, z {m['z']:.1f}" if m.get("runner_up") else "none"
         regions = " / ".join(", ".join(status[s]) or "-" for s in status)
         named = ", ".join(result.named_matches) or f"custom ({result.best.candidate.label()})"
-        flag = "yes" if recovered else ("no, determined regions wrong: " + ", ".join(wrong) if wrong else
-                                         "no (the differing regions are reported unclear)")
-        print(f"| {profile} | {mode}{'' if backend == 'kernels' else ' (' + backend + ')'} "
-              f"{result.stats['tokens']} tok | {named} | {flag} | {regions} | "
-              f"{result.best.metrics['mismatch/bitwise_equal_frac']:.3f} | {margin} | {seconds:.1f} s |", flush=True)
+        flag = (
+            "yes"
+            if recovered
+            else (
+                "no, determined regions wrong: " + ", ".join(wrong)
+                if wrong
+                else "no (the differing regions are reported unclear)"
+            )
+        )
+        print(
+            f"| {profile} | {mode}{'' if backend == 'kernels' else ' (' + backend + ')'} "
+            f"{result.stats['tokens']} tok | {named} | {flag} | {regions} | "
+            f"{result.best.metrics['mismatch/bitwise_equal_frac']:.3f} | {margin} | {seconds:.1f} s |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ def main() -> None:
         m.load_state_dict(master.state_dict())
         return m.eval()
 
-    patched32 = roundalign.apply(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-                                 args.profile, allow_non_bf16=True)
+    patched32 = roundalign.apply(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        args.profile,
+        allow_non_bf16=True,
+    )
     sides = {
         "bf16 stock": (bf16_model(), False),
         "autocast stock": (master.eval(), True),
@@ -65,8 +68,9 @@ def main() -> None:
         "bf16 patched": (roundalign.apply(bf16_model(), args.profile), False),
     }
     tokens = sum(len(c.token_ids) for c in completions)
-    print(f"engine: {args.profile} (kernels backend, prefill re-score); {len(completions)} completions, "
-          f"{tokens} tokens")
+    print(
+        f"engine: {args.profile} (kernels backend, prefill re-score); {len(completions)} completions, {tokens} tokens"
+    )
     print(f"{'trainer':<18} {'rollout_corr/k3_kl':>20} {'bitwise-equal tokens':>22}")
     for name, (model, autocast) in sides.items():
         m = mismatch_metrics(_trainer_logprobs(model, completions, autocast), rollout)

@@ -265,13 +265,13 @@ def model_card(figures: dict, args: argparse.Namespace) -> str:
     low, high, std = figures["norm_weight_min_max_std"]
     return f"""# tiny-qwen3
 
-A {figures['params'] / 1e6:.2f}M-parameter Qwen3 (bf16) trained from scratch on the arithmetic word problems of
+A {figures["params"] / 1e6:.2f}M-parameter Qwen3 (bf16) trained from scratch on the arithmetic word problems of
 `roundalign.tasks.arithmetic`. It lets `roundalign probe` audit log-prob mismatch on a model whose next-token
 distributions are peaked, as a real LM's are. It is of no use as a language model outside that task.
 
 - Architecture: `Qwen3ForCausalLM`, hidden 256, 4 layers, 4 query heads and 2 KV heads of head_dim 64, MLP 768,
   RoPE theta 10000, RMSNorm eps 1e-6, untied lm_head, max 256 positions.
-- Tokenizer: word level over the task's closed vocabulary ({figures['vocab_size']} tokens), one token per digit.
+- Tokenizer: word level over the task's closed vocabulary ({figures["vocab_size"]} tokens), one token per digit.
   `<|endoftext|>` (id 0) is both end of text and pad.
 - Trained by `scripts/train_tiny_model.py --seed {args.seed} --steps {args.steps}`: fp32, AdamW, {args.batch_size}
   problems a step, lr {args.lr}, cosine decay. Saved in bf16; the figures below were measured on the saved weights.
@@ -279,16 +279,16 @@ distributions are peaked, as a real LM's are. It is of no use as a language mode
 
 | figure | value |
 |---|---|
-| steps done | {figures['steps_done']} |
-| training loss (mean of the last 50 steps) | {figures['final_loss_last50']:.3f} |
-| mean next-token entropy, held-out problems, all tokens | {figures['entropy_all_tokens']:.3f} nats |
-| ... on the completion tokens only | {figures['entropy_completion_tokens']:.3f} nats |
-| log(vocab) (a uniform distribution) | {figures['log_vocab']:.3f} nats |
+| steps done | {figures["steps_done"]} |
+| training loss (mean of the last 50 steps) | {figures["final_loss_last50"]:.3f} |
+| mean next-token entropy, held-out problems, all tokens | {figures["entropy_all_tokens"]:.3f} nats |
+| ... on the completion tokens only | {figures["entropy_completion_tokens"]:.3f} nats |
+| log(vocab) (a uniform distribution) | {figures["log_vocab"]:.3f} nats |
 | greedy accuracy, level 1 / 2 / 3 ({args.eval_problems} held-out problems each) | {acc} |
 | RMSNorm weights: min / max / std (all start at 1) | {low:.3f} / {high:.3f} / {std:.3f} |
-| wall time of training / whole run | {figures['train_wall_s'] / 60:.1f} / {figures['run_wall_s'] / 60:.1f} min |
-| CPU time (user + sys) of the whole run | {figures['cpu_s'] / 60:.1f} min on {figures['threads']} threads |
-| weights + tokenizer files | {figures['size_bytes'] / 1e6:.2f} MB |
+| wall time of training / whole run | {figures["train_wall_s"] / 60:.1f} / {figures["run_wall_s"] / 60:.1f} min |
+| CPU time (user + sys) of the whole run | {figures["cpu_s"] / 60:.1f} min on {figures["threads"]} threads |
+| weights + tokenizer files | {figures["size_bytes"] / 1e6:.2f} MB |
 
 The times come from one run on a 2-core CPU machine shared with other work, so wall time depends on the load.
 CPU time / 2 is the standalone estimate. The entropy over all tokens includes the prompt's genuinely random

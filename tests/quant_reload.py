@@ -1,0 +1,58 @@
+"""The in-place reload of a quantized vLLM, for tests/test_quant_vllm.py. Runs in the engine's Python.
+
+    python tests/quant_reload.py MODEL_DIR SCHEME WORK_DIR
+
+Starts vLLM on MODEL_DIR's weights served in SCHEME, reloads it in place with perturbed weights
+(``engines.vllm.reload``), then with the original ones again, and writes to WORK_DIR/reload.json the prefill
+log-probs of two sequences after each step, beside those of a fresh engine started on the perturbed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(model_dir: str, scheme_name: str, work: str) -> None:
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+        os.environ.setdefault(key, value)
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from roundalign.engines.vllm.reload import reload
+    from roundalign.quant import SCHEMES, checkpoint
+
+    scheme, work = SCHEMES[scheme_name], Path(work)
+    source = load_file(str(Path(model_dir) / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    moved = {k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g))).bfloat16() for k, v in source.items()}
+    checkpoint.write(model_dir, work / "first", scheme)
+    checkpoint.write(model_dir, work / "moved", scheme, state_dict=moved)
+    request = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    prompts = [TokensPrompt(prompt_token_ids=list(range(3, 60))), TokensPrompt(prompt_token_ids=list(range(70, 90)))]
+
+    def logprobs(llm):
+        outs = llm.generate(prompts, request, use_tqdm=False)
+        return [[next(iter(step.values())).logprob for step in out.prompt_logprobs[1:]] for out in outs]
+
+    def start(path):
+        return LLM(model=str(path), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256)
+
+    llm = start(work / "first")
+    result = {"first": logprobs(llm)}
+    reload(llm, moved, scheme)
+    result["reloaded"] = logprobs(llm)
+    reload(llm, source, scheme)
+    result["back"] = logprobs(llm)
+    del llm
+    result["fresh"] = logprobs(start(work / "moved"))
+    (work / "reload.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

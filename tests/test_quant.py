@@ -1,0 +1,273 @@
+"""Quantized rollouts without vLLM: the quantizers against the formats' definitions, the checkpoint layout, the
+profile field, the reference engine against the trainer, the straight-through backward, and the errors.
+
+The bitwise tests against the real vLLM are tests/test_quant_vllm.py; the independent producer (compressed-tensors
+itself) is there too, where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import roundalign
+from roundalign.engine import Engine
+from roundalign.errors import UserError
+from roundalign.profiles import Profile, get_profile
+from roundalign.quant import SCHEMES, Scheme, checkpoint, from_compressed_tensors, grid
+from tests import quant_formulas as ref
+from tests.test_engine_matches_trainer import sequences, trainer_logprobs, trainer_model
+
+QUANTIZED = [s for s in SCHEMES if s != "none"]
+
+
+def _weights(rows=64, cols=256, seed=0, scale=0.05) -> torch.Tensor:
+    """bf16 weights with the cases a quantizer can get wrong: a zero row, a row of one sign, a constant row, and
+    values on exact ties of the grid."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * scale
+    w[0] = 0.0
+    w[1] = w[1].abs()
+    w[2] = -0.03
+    w[3, :8] = torch.tensor([0.5, -0.5, 0.25, 0.125, 1.0, -1.0, 0.0, 0.75]) * scale
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", [s for s in QUANTIZED if SCHEMES[s].weights != "fp8"])
+def test_integer_weights_match_the_definition(name):
+    scheme = SCHEMES[name]
+    w = _weights()
+    q = grid.quantize_weight(w, scheme)
+    group = scheme.group_size or w.shape[1]
+    for row in range(w.shape[0]):
+        for start in range(0, w.shape[1], group):
+            values = [float(v) for v in w[row, start : start + group].float()]
+            codes, scale, zero = ref.int_codes(values, scheme.bits, scheme.symmetric)
+            g = start // group
+            assert q.codes[row, start : start + group].tolist() == codes, (row, g)
+            assert float(q.scale[row, g]) == scale, (row, g)
+            assert (0 if q.zero_point is None else int(q.zero_point[row, g])) == zero, (row, g)
+
+
+def test_fp8_weights_match_the_definition():
+    w = _weights(rows=24, cols=64)
+    q = grid.quantize_weight(w, SCHEMES["fp8"])
+    assert q.codes.dtype == torch.float8_e4m3fn
+    for row in range(w.shape[0]):
+        codes, scale = ref.fp8_codes([float(v) for v in w[row].float()])
+        assert q.codes[row].float().tolist() == codes, row
+        assert float(q.scale[row, 0]) == scale, row
+
+
+def test_dequantize_is_code_minus_zero_point_times_scale_rounded_once():
+    w = _weights()
+    q = grid.quantize_weight(w, SCHEMES["w4a16-g32-zp"])
+    scale = q.scale.float().repeat_interleave(32, dim=1)
+    zero = q.zero_point.float().repeat_interleave(32, dim=1)
+    expected = ((q.codes.float() - zero) * scale).to(torch.bfloat16)
+    assert torch.equal(q.dequantize(), expected)
+
+
+def test_int4_packing_is_the_pack_quantized_layout():
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(-8, 8, (16, 64), generator=g, dtype=torch.int8)
+    packed = grid.pack_int4(values, dim=1)
+    assert packed.dtype == torch.int32 and packed.shape == (16, 8)
+    for row in range(16):
+        assert packed[row].tolist() == ref.pack_nibbles(values[row].tolist())
+    assert torch.equal(grid.unpack_int4(packed, dim=1), values)
+    along_rows = grid.pack_int4(values, dim=0)  # zero points pack along the output dimension
+    assert along_rows.shape == (2, 64)
+    assert along_rows[:, 5].tolist() == ref.pack_nibbles(values[:, 5].tolist())
+    assert torch.equal(grid.unpack_int4(along_rows, dim=0), values)
+
+
+def test_activation_quantizers_match_vllms():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 96, generator=g) * 3).to(torch.bfloat16)
+    x[2] = 0.0  # a zero row: scale 0, codes 0 (int8); the floor scale (FP8)
+    codes, scale = grid.quantize_activations(x)
+    codes8, scale8 = grid.quantize_activations_fp8(x)
+    for row in range(x.shape[0]):
+        values = [float(v) for v in x[row].float()]
+        want, want_scale = ref.int8_token(values)
+        assert codes[row].tolist() == want and float(scale[row, 0]) == want_scale, row
+        want, want_scale = ref.fp8_token(values)
+        assert codes8[row].float().tolist() == want and float(scale8[row, 0]) == want_scale, row
+
+
+def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
+    """int32 accumulation is exact: the GEMM is sum(code_x * code_w) in any order, then (acc * s_w) * s_x + b."""
+    w = _weights(rows=32, cols=64)
+    q = grid.quantize_weight(w, SCHEMES["w8a8-int8"])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(32, generator=g).to(torch.bfloat16)
+    codes, scale = grid.quantize_activations(x)
+    acc = codes.long() @ q.codes.long().t()  # exact in int64
+    expected = ((acc.float() * q.scale.float().view(1, -1)) * scale + bias.float()).to(torch.bfloat16)
+    assert torch.equal(grid.int8_linear(x, q, bias), expected)
+
+
+# ----------------------------------------------------------------------------------------------- checkpoint
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_checkpoint_round_trip(name, tmp_path):
+    from roundalign import models
+
+    scheme = SCHEMES[name]
+    out = checkpoint.write(models.path(), tmp_path / "served", scheme)
+    config = json.loads((out / "config.json").read_text())
+    assert from_compressed_tensors(config["quantization_config"]) is scheme
+    assert (out / "tokenizer.json").is_file()
+    read_scheme, linears = checkpoint.read(out)
+    assert read_scheme is scheme
+    from safetensors.torch import load_file
+
+    source = load_file(str(models.path() / "model.safetensors"))
+    quantized = {k.removesuffix(".weight") for k, v in source.items() if checkpoint.is_quantized_linear(k, v)}
+    assert set(linears) == quantized and len(quantized) == 7 * 4  # every projection of the 4 layers
+    for name_, q in linears.items():
+        again = grid.quantize_weight(source[f"{name_}.weight"], scheme)
+        assert torch.equal(q.codes.view(torch.int8), again.codes.view(torch.int8)), name_
+        assert torch.equal(q.scale, again.scale), name_
+    served = load_file(str(out / "model.safetensors"))
+    assert torch.equal(served["lm_head.weight"], source["lm_head.weight"])  # the lm_head stays bf16
+
+
+def test_checkpoint_refuses_to_overwrite_a_model(tmp_path):
+    from roundalign import models
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="not a quantized checkpoint"):
+        checkpoint.write(models.path(), tmp_path / "mine", SCHEMES["w8a8-int8"])
+    served = checkpoint.write(models.path(), tmp_path / "served", SCHEMES["w4a16"])
+    checkpoint.write(models.path(), served, SCHEMES["w8a8-int8"])  # a served copy is replaced whole
+    assert checkpoint.read(served)[0].name == "w8a8-int8"
+    with pytest.raises(UserError, match="already quantized"):
+        checkpoint.write(served, tmp_path / "again", SCHEMES["w4a16"])
+
+
+def test_unknown_checkpoint_schemes_are_named():
+    config = SCHEMES["w4a16"].compressed_tensors_config()
+    config["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    with pytest.raises(UserError, match="none of the schemes"):
+        from_compressed_tensors(config)
+    with pytest.raises(UserError, match="quant_method"):
+        from_compressed_tensors({"quant_method": "gptq"})
+
+
+# ---------------------------------------------------------------------------------------------------- profile
+
+
+def test_profiles_carry_the_scheme():
+    p = get_profile("vllm-0.32-cpu-eager-kernels+quantization=w8a8-int8")
+    assert p.quantization is SCHEMES["w8a8-int8"]
+    assert p.rounding_only().name == "vllm-0.32-cpu-eager+quantization=w8a8-int8"
+    assert p.rounding_only().replace(quantization="none").name == "vllm-0.32-cpu-eager"
+    assert not p.same_rules("vllm-0.32-cpu-eager-kernels")
+    assert Profile.from_dict(p.to_dict()) == p
+    assert Profile.from_dict({k: v for k, v in get_profile("vllm").to_dict().items() if k != "quantization"}) == (
+        get_profile("vllm")
+    )  # profile files written before quantization existed read as bf16
+    with pytest.raises(UserError, match="unknown quantization scheme 'int3'"):
+        get_profile("vllm+quantization=int3")
+
+
+def test_scheme_shapes_are_checked():
+    with pytest.raises(UserError, match="not a multiple of w4a16's group size 128"):
+        SCHEMES["w4a16"].check_shape("model.layers.0.mlp.down_proj", 256, 96)
+    with pytest.raises(UserError, match="multiples of 32"):
+        SCHEMES["w4a16-g32"].check_shape("q_proj", 48, 64)
+    SCHEMES["w8a8-int8"].check_shape("q_proj", 48, 96)  # no constraint
+
+
+# ------------------------------------------------------------------------------------------ engine vs trainer
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_reference_engine_matches_the_quantized_trainer(family, name):
+    """The reference engine serving the scheme (its own quantized copy of its served weights, its own layer loop)
+    and the trainer with the same profile give the same log-probs bit for bit; the bf16 trainer does not."""
+    model = trainer_model(family, num_hidden_layers=2)
+    profile = f"vllm-reference-kernels+quantization={name}"
+    engine = Engine(model, profile=profile)
+    seqs = sequences(model.config.vocab_size, lengths=(9, 40))
+    scored = [engine.score([s[:3]], [s[3:]], mode="prefill")[0] for s in seqs]
+    bf16 = [trainer_logprobs(model, s)[2:-1].gather(1, torch.tensor(s[3:])[:, None])[:, 0] for s in seqs]
+    roundalign.apply(model, profile)
+    mine = [trainer_logprobs(model, s)[2:-1].gather(1, torch.tensor(s[3:])[:, None])[:, 0] for s in seqs]
+    for a, b in zip(mine, scored, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(bf16, scored, strict=True))
+
+
+def test_the_engine_requantizes_after_a_weight_sync():
+    model = trainer_model("qwen3", num_hidden_layers=1)
+    engine = Engine(model, profile="vllm-reference-kernels+quantization=w8a8-int8")
+    ids = sequences(model.config.vocab_size, lengths=(20,))[0]
+    before = engine.score([ids[:3]], [ids[3:]], mode="prefill")[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    engine.load_weights(model.state_dict())
+    after = engine.score([ids[:3]], [ids[3:]], mode="prefill")[0]
+    fresh = Engine(model, profile="vllm-reference-kernels+quantization=w8a8-int8")
+    assert not torch.equal(before, after)
+    assert torch.equal(after, fresh.score([ids[:3]], [ids[3:]], mode="prefill")[0])
+
+
+def test_straight_through_gradients():
+    """The backward is that of x @ Q(W)^T with dQ/dW = I: written here with autograd's own linear on the
+    dequantized weight, the weight entering through W + (Q(W) - W).detach()."""
+    model = trainer_model("qwen3", num_hidden_layers=1).requires_grad_(True)
+    roundalign.apply(model, "vllm+quantization=w4a16-g32")
+    mlp = model.model.layers[0].mlp
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, model.config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_()
+    upstream = torch.randn(2, 5, model.config.intermediate_size, generator=g).to(torch.bfloat16)
+    gate, _ = roundalign.kernels.project(mlp, ("gate_proj", "up_proj"), x, mlp._roundalign_gemm)
+    gate.backward(upstream)
+    w = mlp.gate_proj.weight
+    deq = grid.quantize_weight(w, SCHEMES["w4a16-g32"]).dequantize()
+    w2 = w.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2, w2 + (deq - w2).detach()).backward(upstream)
+    assert torch.equal(gate.detach(), torch.nn.functional.linear(x.detach(), deq))
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(w.grad, w2.grad)
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def test_moe_and_fp16_are_refused_with_the_fix():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    moe = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="Qwen3-MoE's experts are not served quantized"):
+        roundalign.apply(moe, "vllm+quantization=w8a8-int8")
+    with pytest.raises(UserError, match="bf16 activations"):
+        Engine(trainer_model("qwen3", num_hidden_layers=1), profile="vllm+quantization=w8a8-int8", dtype=torch.float16)
+
+
+def test_a_layer_the_scheme_cannot_serve_is_named():
+    model = trainer_model("qwen3", num_hidden_layers=1, intermediate_size=320)  # 320 inputs to down_proj
+    roundalign.apply(model, "vllm+quantization=w4a16")
+    with pytest.raises(UserError, match="down_proj: 320 inputs are not a multiple of w4a16's group size 128"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_scheme_names():
+    assert str(Scheme.parse("w8a8-int8")) == "w8a8-int8"
+    with pytest.raises(UserError, match="choose one of none, w8a8-int8, fp8, w4a16"):
+        Scheme.parse("nvfp4")
