@@ -17,6 +17,7 @@ from roundalign.engine import Engine
 from roundalign.errors import UserError
 from roundalign.profiles import Profile, get_profile
 from roundalign.quant import SCHEMES, Scheme, checkpoint, from_compressed_tensors, grid
+from roundalign.trainer import TrainerSide
 from tests import quant_formulas as ref
 from tests.test_engine_matches_trainer import sequences, trainer_logprobs, trainer_model
 
@@ -271,3 +272,22 @@ def test_scheme_names():
     assert str(Scheme.parse("w8a8-int8")) == "w8a8-int8"
     with pytest.raises(UserError, match="choose one of none, w8a8-int8, fp8, w4a16"):
         Scheme.parse("nvfp4")
+
+
+def test_fit_carries_the_served_quantization():
+    """A dump from an engine that served w4a16: every candidate fit scores computes the scheme, so the engine's
+    rules fit it bit for bit, and the fitted profile names the scheme."""
+    from roundalign import models
+    from roundalign.fit.dumps import reference_dump
+    from roundalign.fit.search import fit
+    from roundalign.trainer import load_trainer_model
+
+    model = load_trainer_model(models.path())
+    dump = reference_dump("vllm+quantization=w4a16", tokens=120, max_tokens=40)
+    result = fit(model, dump, quantization="w4a16", screen_tokens=40)
+    assert result.profile.quantization is SCHEMES["w4a16"]
+    assert result.best.metrics["mismatch/bitwise_equal_frac"] == 1.0
+    assert "vllm" in result.named_matches
+    roundalign.apply(model, result.profile)
+    for r in dump:
+        assert torch.equal(TrainerSide.token_logprobs(model, r), torch.tensor(r.logprobs, dtype=torch.float32))

@@ -66,6 +66,11 @@ class CalibrateConfig:
     seed: int | None = option(None, SAMPLING["seed"].help)
     device: str = option("cpu", "where the trainer side's forwards run (default {default})")
     name: str | None = option(None, "the profile's name (default calibrated-ENGINE-VERSION-DEVICE[-eager])")
+    quantization: str | None = option(
+        None,
+        "the engine serves a quantized copy in this scheme (w8a8-int8, fp8, w4a16, ...; docs/quantization.md): the "
+        "dump serves the checkpoint roundalign writes, and every fitted and scored profile computes the scheme",
+    )
     dump: str | None = option(
         None,
         "use this roundalign dump directory (same engine and mode) instead of running a new dump; "
@@ -93,10 +98,17 @@ class CalibrateConfig:
         model = self.model or str(models.path())  # the shipped tiny-qwen3
         if not (Path(model) / "config.json").is_file():
             raise UserError(f"--model {model}: no config.json there; give the HF model directory the engine serves")
+        if self.quantization is not None:
+            from roundalign.quant import Scheme
+
+            Scheme.parse(self.quantization)
         if self.dump is not None:
             from roundalign.rollouts.dumpdir import read_info
 
             info = read_info(self.dump)  # not a dump directory: UserError naming it
+            served = info.get("quantization") or "none"
+            if self.quantization is not None and served != self.quantization:
+                raise UserError(f"--dump {self.dump} served {served}, not --quantization {self.quantization}")
             if info["engine"] != self.engine or bool(info.get("enforce_eager")) != self.enforce_eager:
                 mode = "--enforce-eager" if info.get("enforce_eager") else "its default mode"
                 raise UserError(
@@ -122,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser.add_argument, CalibrateConfig, DUMP_DEFAULTS, unset=True)
     a("device", default=d.device, metavar="DEV")
     a("name")
+    a("quantization", metavar="SCHEME")
     a("dump", metavar="DIR")
 
 
@@ -222,12 +235,15 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
         dump_cfg = DumpConfig(
             engine=cfg.engine, model=cfg.model, out=str(dump_dir), enforce_eager=cfg.enforce_eager,
             num_samples=cfg.num_samples, max_tokens=cfg.max_tokens, seed=cfg.seed, ignore_eos=True,
+            quantization=cfg.quantization,
         )  # fmt: skip
         log(f"dump: {cfg.engine} samples {cfg.num_samples} x {cfg.max_tokens} tokens, then scores them in prefill")
         seconds["dump"] = run_dump(dump_cfg, cfg.engine_python, ids)
     dump = read_dump(dump_dir, vocab_size=model.config.vocab_size,
                      max_model_len=model.config.max_position_embeddings)  # fmt: skip
     info = dump.info
+    served = info.get("quantization")
+    quantization = None if served in (None, "none") else str(served)  # what every fitted profile computes
     t = time.perf_counter()
     entry = _fingerprint(cfg, out, info.get("device", "cpu"), log)
     seconds["fingerprint"] = time.perf_counter() - t
@@ -237,11 +253,11 @@ def calibrate(cfg: CalibrateConfig, log=print) -> dict:
     scored = [Rollout(r.prompt_token_ids, r.token_ids, lp) for r, lp in zip(dump.rollouts, dump.prefill, strict=True)]
     model.to(cfg.device)
     try:
-        result = fit(model, scored)
+        result = fit(model, scored, quantization=quantization)
     except DumpNotExplained as exc:  # the engine did not serve these weights, or returned processed log-probs
         raise NotExplained(f"{exc} (calibrate's dump: {dump_dir})") from None
     seconds["fit"] = time.perf_counter() - t
-    space = Space.of(model)
+    space = Space.of(model, quantization)
     rules, evidence = _combine(result.regions, entry, space)
 
     mode = "eager" if cfg.enforce_eager else "compiled"

@@ -127,11 +127,13 @@ def load(model_path: str | Path | None, dump: str | Path, device: str = "cpu"):
     device = check_device(device)
     path = Path(model_path) if model_path else models.path()
     model = load_trainer_model(path).to(device)
-    rollouts, refs, _ = read_references(dump, model.config)
+    rollouts, refs, info = read_references(dump, model.config)
     # A dump directory is fitted on its prefill log-probs: trainer-shaped forwards, which decide the most regions.
     scored = refs.get("prefill", refs.get("jsonl"))
     pairs = zip(rollouts, scored, strict=True)
-    return model, [Rollout(r.prompt_token_ids, r.token_ids, lp, r.finish_reason) for r, lp in pairs]
+    served = (info or {}).get("quantization")
+    quantization = None if served in (None, "none") else str(served)  # every candidate computes what was served
+    return model, [Rollout(r.prompt_token_ids, r.token_ids, lp, r.finish_reason) for r, lp in pairs], quantization
 
 
 def plan(model, rollouts, args: FitConfig) -> str:
@@ -169,7 +171,7 @@ def run(args: FitConfig) -> int:
     from roundalign.fit.search import DumpNotExplained, fit
 
     console = make_console()
-    model, rollouts = load(args.model, args.engine_logprobs, args.device)
+    model, rollouts, quantization = load(args.model, args.engine_logprobs, args.device)
     out = Path(args.out)
     if not args.json:
         console.print(plan(model, rollouts, args), highlight=False)
@@ -195,6 +197,7 @@ def run(args: FitConfig) -> int:
                 max_excess=args.max_excess,
                 progress=lambda n: progress.advance(task, n),
                 on_total=lambda total: progress.update(task, total=total),
+                quantization=quantization,
             )
         except DumpNotExplained as exc:
             progress.stop()

@@ -246,11 +246,13 @@ def fit(
     max_excess: float = MAX_EXCESS,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
+    quantization: str | None = None,
 ) -> FitResult:
     """Fit a profile to ``rollouts`` (each with the engine's ``logprobs``) on an unpatched bf16 HF ``model``.
 
     ``progress(n)`` is called after every n forwards, ``on_total(total)`` whenever the planned number of forwards
-    changes (pruning lowers it). Raises ``DumpNotExplained`` for a dump no rounding rule explains.
+    changes (pruning lowers it). ``quantization``: the scheme the engine served (a dump's engine.json says), which
+    every candidate computes. Raises ``DumpNotExplained`` for a dump no rounding rule explains.
     """
     if not rollouts:
         raise UserError("the dump holds no rollouts; fit needs at least one scored completion")
@@ -258,7 +260,7 @@ def fit(
         if r.logprobs is None or len(r.logprobs) != len(r.token_ids):
             raise UserError(f"rollout {i} needs one engine log-prob per completion token")
     trainer = TrainerSide(model)  # refuses a patched model
-    space = Space.of(model)
+    space = Space.of(model, quantization)
     data = {i: torch.tensor(r.logprobs, dtype=torch.float32) for i, r in enumerate(rollouts)}
     everything = list(range(len(rollouts)))
     n_tokens = sum(len(r.token_ids) for r in rollouts)

@@ -83,10 +83,12 @@ class Space:
     head_dim: int
     regions: tuple[str, ...]
     idle: dict[str, str]  # region -> why the model cannot tell its rules apart
+    quantization: str = "none"  # what the engine served: every candidate computes it (roundalign.quant)
 
     @classmethod
-    def of(cls, model) -> Space:
-        """The space for an HF model that ``roundalign.apply`` supports (its family decides the regions)."""
+    def of(cls, model, quantization: str | None = None) -> Space:
+        """The space for an HF model that ``roundalign.apply`` supports (its family decides the regions), for an
+        engine that served ``quantization`` (a scheme name; None for bf16)."""
         family = family_of(model)  # unsupported model types raise here, naming the supported ones
         config = model.config
         head_dim = support.head_dim(config)
@@ -101,7 +103,7 @@ class Space:
         if experts is None or experts[0] not in kinds:
             idle["expert_swiglu"] = "the model has no MoE experts"
         regions = tuple(r for r in REGIONS if r not in idle)
-        return cls(config.model_type, int(head_dim), regions, idle)
+        return cls(config.model_type, int(head_dim), regions, idle, quantization or "none")
 
     def candidates(self) -> list[Candidate]:
         """Every combination, in a fixed order (the first region varies slowest)."""
@@ -134,7 +136,7 @@ class Space:
         base = get_profile(fill)
         rules = {r: self.rule_of(base, r) for r in REGIONS}
         rules.update(candidate.as_dict())
-        return Profile(name=name, **rules, **fields)
+        return Profile(name=name, **rules, **{"quantization": self.quantization, **fields})
 
     def nearest_named(self, candidate: Candidate) -> str:
         """The built-in profile that shares the most rules with ``candidate`` (the first in PROFILES on a tie)."""
