@@ -100,16 +100,22 @@ def test_activation_quantizers_match_vllms():
 
 
 def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
-    """int32 accumulation is exact: the GEMM is sum(code_x * code_w) in any order, then (acc * s_w) * s_x + b."""
-    w = _weights(rows=32, cols=64)
-    q = grid.quantize_weight(w, SCHEMES["w8a8-int8"])
+    """The exact integer GEMM, then (acc * s_w) * s_x + b in fp32. Weight codes within [-64, 64]: on CPUs without
+    VNNI (AVX2 only) oneDNN's s8s8 GEMM, torch._int_mm's and vLLM's alike, saturates pairs of products at int16
+    (its ``vpmaddubsw``; oneDNN's documentation says so), which no pair of such codes can reach; the full range is
+    checked against vLLM itself (tests/test_quant_vllm.py)."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    weight = grid.Quantized(
+        torch.randint(-64, 65, (32, 64), generator=g, dtype=torch.int8),
+        (torch.rand(32, 1, generator=g) * 0.01).to(torch.bfloat16),
+        None,
+    )
+    x = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
     bias = torch.randn(32, generator=g).to(torch.bfloat16)
     codes, scale = grid.quantize_activations(x)
-    acc = codes.long() @ q.codes.long().t()  # exact in int64
-    expected = ((acc.float() * q.scale.float().view(1, -1)) * scale + bias.float()).to(torch.bfloat16)
-    assert torch.equal(grid.int8_linear(x, q, bias), expected)
+    acc = codes.long() @ weight.codes.long().t()  # exact in int64
+    expected = ((acc.float() * weight.scale.float().view(1, -1)) * scale + bias.float()).to(torch.bfloat16)
+    assert torch.equal(grid.int8_linear(x, weight, bias), expected)
 
 
 # ----------------------------------------------------------------------------------------------- checkpoint

@@ -108,7 +108,8 @@ def overview(profiles: list[Profile], sources: bool, console) -> list:
 
 
 def _detail_rows(p: Profile) -> list[tuple[str, str, str, str]]:
-    """(region, rule, formula, differs from HF) per region, then where RoPE's angles come from."""
+    """(region, rule, formula, differs from HF) per region, then where RoPE's angles come from, the kernels and the
+    served quantization."""
     hf = get_profile("hf")
     rows = [
         (region, str(getattr(p, region)), _display(text), "yes" if getattr(p, region) != getattr(hf, region) else "no")
@@ -116,6 +117,11 @@ def _detail_rows(p: Profile) -> list[tuple[str, str, str, str]]:
     ]
     angles = "inv_freq from the config, fp32" if str(p.rope_angles) == "fp32" else "the rotary module's inv_freq"
     rows.append(("rope angles", str(p.rope_angles), angles, "yes" if p.rope_angles != hf.rope_angles else "no"))
+    for kernel in ("attention", "gemm", "forward"):
+        rule = getattr(p, kernel)
+        rows.append((kernel, str(rule), "whose kernel the trainer runs", "yes" if rule != getattr(hf, kernel) else "no"))
+    q = p.quantization
+    rows.append(("quantization", str(q), _display(q.description), "yes" if q.quantized else "no"))
     return rows
 
 
