@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMES = ("none", "w8a8-int8", "w4a16", "w4a16-g32-zp", "fp8")
+SCHEMES = ("none", "w8a8-int8", "w4a16", "w4a16-g32-zp", "fp8", "fp8-online")
 LEVELS = ("stock bf16", "rounding only", "quantization-aligned", "exact")
 
 

@@ -8,6 +8,7 @@ the vectorized code under test is compared with its specification, not with itse
   each operation computed exactly and rounded to bf16 (``r`` below);
 - the ``pack-quantized`` format: unsigned 4-bit values (signed + 8), eight per 32-bit word, the first value in the
   lowest bits;
+- vLLM's online per-channel FP8 (``fp8_per_channel``): fp32 scale and fp32 true division;
 - OCP FP8 E4M3 (``torch.float8_e4m3fn``): the nearest representable value, ties to even, saturating at 448;
 - vLLM's dynamic per-token activation quantizers, as measured against its CPU ops: int8 ``round(x * (1/s))`` with
   ``s = amax/127``, FP8 ``e4m3(x * (1/s))`` with ``s = max(amax/448, 1/(448*512))``, in fp32.
@@ -86,6 +87,13 @@ def fp8_codes(values: list[float]) -> tuple[list[float], float]:
     amax = max(max(abs(v) for v in values), 0.0)
     scale = r(amax / 448.0) or 2.0**-7
     return [e4m3(min(max(r(w / scale), -448.0), 448.0)) for w in values], scale
+
+
+def fp8_online_codes(values: list[float]) -> tuple[list[float], float]:
+    """vLLM's own per-channel FP8 quantizer (quantization="fp8_per_channel"): ``scale = max(amax / 448,
+    1 / (448 * 512))`` in fp32, ``code = e4m3(clamp(w / scale))`` with the division in fp32."""
+    scale = max(f32(max(abs(v) for v in values) / 448.0), f32(1.0 / (448.0 * 512.0)))
+    return [e4m3(min(max(f32(w / scale), -448.0), 448.0)) for w in values], scale
 
 
 def pack_nibbles(values: list[int]) -> list[int]:

@@ -31,8 +31,17 @@ def main(model_dir: str, scheme_name: str, work: str) -> None:
     source = load_file(str(Path(model_dir) / "model.safetensors"))
     g = torch.Generator().manual_seed(1)
     moved = {k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g))).bfloat16() for k, v in source.items()}
-    checkpoint.write(model_dir, work / "first", scheme)
-    checkpoint.write(model_dir, work / "moved", scheme, state_dict=moved)
+    if scheme.online:  # vLLM quantizes the bf16 checkpoints itself
+        import shutil
+
+        from safetensors.torch import save_file
+
+        for name, weights in (("first", source), ("moved", moved)):
+            shutil.copytree(model_dir, work / name)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(work / name / "model.safetensors"))
+    else:
+        checkpoint.write(model_dir, work / "first", scheme)
+        checkpoint.write(model_dir, work / "moved", scheme, state_dict=moved)
     request = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     prompts = [TokensPrompt(prompt_token_ids=list(range(3, 60))), TokensPrompt(prompt_token_ids=list(range(70, 90)))]
 
@@ -41,7 +50,11 @@ def main(model_dir: str, scheme_name: str, work: str) -> None:
         return [[next(iter(step.values())).logprob for step in out.prompt_logprobs[1:]] for out in outs]
 
     def start(path):
-        return LLM(model=str(path), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256)
+        online = {"quantization": scheme.online} if scheme.online else {}
+        return LLM(
+            model=str(path), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256,
+            **online,
+        )  # fmt: skip
 
     llm = start(work / "first")
     result = {"first": logprobs(llm)}

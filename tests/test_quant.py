@@ -22,6 +22,7 @@ from tests import quant_formulas as ref
 from tests.test_engine_matches_trainer import sequences, trainer_logprobs, trainer_model
 
 QUANTIZED = [s for s in SCHEMES if s != "none"]
+CHECKPOINTS = [s for s in QUANTIZED if not SCHEMES[s].online]  # written as a checkpoint (else vLLM quantizes)
 
 
 def _weights(rows=64, cols=256, seed=0, scale=0.05) -> torch.Tensor:
@@ -52,14 +53,17 @@ def test_integer_weights_match_the_definition(name):
             assert (0 if q.zero_point is None else int(q.zero_point[row, g])) == zero, (row, g)
 
 
-def test_fp8_weights_match_the_definition():
+@pytest.mark.parametrize("name", ["fp8", "fp8-online"])
+def test_fp8_weights_match_the_definition(name):
     w = _weights(rows=24, cols=64)
-    q = grid.quantize_weight(w, SCHEMES["fp8"])
+    q = grid.quantize_weight(w, SCHEMES[name])
     assert q.codes.dtype == torch.float8_e4m3fn
+    formula = ref.fp8_online_codes if SCHEMES[name].online else ref.fp8_codes
     for row in range(w.shape[0]):
-        codes, scale = ref.fp8_codes([float(v) for v in w[row].float()])
+        codes, scale = formula([float(v) for v in w[row].float()])
         assert q.codes[row].float().tolist() == codes, row
         assert float(q.scale[row, 0]) == scale, row
+    assert q.scale.dtype == (torch.float32 if SCHEMES[name].online else torch.bfloat16)
 
 
 def test_dequantize_is_code_minus_zero_point_times_scale_rounded_once():
@@ -121,7 +125,7 @@ def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
 # ----------------------------------------------------------------------------------------------- checkpoint
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", CHECKPOINTS)
 def test_checkpoint_round_trip(name, tmp_path):
     from roundalign import models
 
@@ -157,6 +161,13 @@ def test_checkpoint_refuses_to_overwrite_a_model(tmp_path):
     assert checkpoint.read(served)[0].name == "w8a8-int8"
     with pytest.raises(UserError, match="already quantized"):
         checkpoint.write(served, tmp_path / "again", SCHEMES["w4a16"])
+
+
+def test_online_schemes_have_no_checkpoint(tmp_path):
+    from roundalign import models
+
+    with pytest.raises(UserError, match="quantized by vLLM itself at load .*fp8_per_channel"):
+        checkpoint.write(models.path(), tmp_path / "served", SCHEMES["fp8-online"])
 
 
 def test_unknown_checkpoint_schemes_are_named():
@@ -276,7 +287,7 @@ def test_a_layer_the_scheme_cannot_serve_is_named():
 
 def test_scheme_names():
     assert str(Scheme.parse("w8a8-int8")) == "w8a8-int8"
-    with pytest.raises(UserError, match="choose one of none, w8a8-int8, fp8, w4a16"):
+    with pytest.raises(UserError, match="choose one of none, w8a8-int8, fp8, fp8-online, w4a16"):
         Scheme.parse("nvfp4")
 
 

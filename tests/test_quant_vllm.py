@@ -27,7 +27,10 @@ from tests.test_real_vllm_kernels import KERNELS, ROUNDING, TRAINER
 from tests.wide_model import build_llama
 
 HERE = Path(__file__).parent
-CASES = [(m, s) for m in ("shipped", "llama") for s in ("w8a8-int8", "w4a16", "fp8")] + [("shipped", "w4a16-g32-zp")]
+CASES = [(m, s) for m in ("shipped", "llama") for s in ("w8a8-int8", "w4a16", "fp8")] + [
+    ("shipped", "w4a16-g32-zp"),
+    ("shipped", "fp8-online"),
+]
 
 
 def _dump(engine_python, model, out: Path, scheme: str, samples=8, tokens=40):
@@ -70,12 +73,18 @@ def test_exact_quantized_trainer_is_the_sampler_bit_for_bit(exact, layout):
 
 
 def test_the_dump_served_the_quantized_checkpoint(exact):
-    _, scheme, dump_dir, _, trainer = exact
+    from roundalign.quant import SCHEMES
+
+    model, scheme, dump_dir, _, trainer = exact
     info = read_info(dump_dir)
     assert info["quantization"] == scheme
     served = json.loads((Path(info["served_model"]) / "config.json").read_text())
-    assert served["quantization_config"]["quant_method"] == "compressed-tensors"
-    assert info["linear_kernel"] == "CompressedTensorsLinearMethod"
+    if SCHEMES[scheme].online:  # vLLM quantized the bf16 model itself at load
+        assert Path(info["served_model"]) == Path(model).resolve() and "quantization_config" not in served
+        assert info["linear_kernel"] == "Fp8PtpcOnlineLinearMethod"
+    else:
+        assert served["quantization_config"]["quant_method"] == "compressed-tensors"
+        assert info["linear_kernel"] == "CompressedTensorsLinearMethod"
     # The straight-through backward gave gradients to every projection's weight, and they are finite.
     grads = trainer["step"]
     assert any(k.endswith("q_proj.weight") for k in grads)
@@ -134,7 +143,7 @@ def test_vllm_serves_the_independent_checkpoint_as_ours(engine_python, tmp_path)
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-zp", "fp8"])
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w4a16-zp", "fp8", "fp8-online"])
 def test_a_running_engine_reloads_quantized_weights_exactly(engine_python, scheme, tmp_path):
     """After an in-place reload the engine serves what a fresh engine on the same checkpoint serves, and reloading
     the first weights gives the first log-probs back (vLLM's own reload leaves W8A8 int8 layers returning NaN)."""

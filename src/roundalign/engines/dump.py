@@ -32,8 +32,9 @@ class DumpConfig:
     quantization: str | None = option(
         None,
         "serve a quantized copy in this scheme (w8a8-int8, w4a16, ...; docs/quantization.md): --model (bf16) is "
-        "quantized into DIR/served-model, a compressed-tensors checkpoint, and the engine serves that. A --model "
-        "that is already a compressed-tensors checkpoint is served as it is",
+        "quantized into DIR/served-model, a compressed-tensors checkpoint, and the engine serves that (fp8-online: "
+        "vLLM quantizes --model itself at load). A --model that is already a compressed-tensors checkpoint is "
+        "served as it is",
     )
     prompts: Prompts | None = option(
         None, "one prompt per line: text, or a JSON list of token ids (default: arithmetic word problems)"
@@ -104,11 +105,13 @@ def served_scheme(model: str | Path) -> str | None:
 def _served_copy(cfg: DumpConfig, log) -> tuple[DumpConfig, dict]:
     """What the engine serves: ``--model`` itself, or its quantized copy (written to ``OUT/served-model``); and what
     engine.json records of it."""
+    from roundalign.quant import Scheme, checkpoint
+
     served = served_scheme(cfg.model)
     if cfg.quantization is None or served is not None:
         return cfg, {"quantization": served or "none", "served_model": str(Path(cfg.model).resolve())}
-    from roundalign.quant import Scheme, checkpoint
-
+    if Scheme.parse(cfg.quantization).online:  # the engine quantizes the bf16 checkpoint itself
+        return cfg, {"quantization": cfg.quantization, "served_model": str(Path(cfg.model).resolve())}
     path = Path(cfg.out) / "served-model"
     checkpoint.write(cfg.model, path, Scheme.parse(cfg.quantization))
     log(f"quantized {cfg.model} to {cfg.quantization}: {path}")

@@ -143,6 +143,18 @@ def _plain_linears(module, names) -> list:
     return mods
 
 
+def fused_parts(module, names: tuple[str, ...], x: torch.Tensor):
+    """What one fused engine GEMM of ``module``'s projections ``names`` reads: ``(linears, 16-bit dtype, their
+    weights, their biases)`` in the engine's dtype; vLLM fuses layers only when all or none have a bias."""
+    mods = _plain_linears(module, names)
+    low = low_dtype(x)
+    weights = [engine_weight(m.weight, low) for m in mods]
+    biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
+    if biases and len(biases) != len(mods):
+        raise UserError(f"{', '.join(names)}: some have a bias and some not; vLLM fuses them only when all or none do")
+    return mods, low, weights, biases
+
+
 def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, pad_to: int = 1) -> list:
     """``[module.<name>(x) for name in names]``, computed as one GEMM of the engine's when ``gemm`` is one.
 
@@ -152,12 +164,7 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
         return [getattr(module, n)(x) for n in names]
     if gemm is GemmKernel.REFERENCE:
         return [_rowwise(m, x) for m in _plain_linears(module, names)]
-    mods = _plain_linears(module, names)
-    low = low_dtype(x)
-    weights = [engine_weight(m.weight, low) for m in mods]
-    biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
-    if biases and len(biases) != len(mods):
-        raise UserError(f"{', '.join(names)}: some have a bias and some not; vLLM fuses them only when all or none do")
+    mods, low, weights, biases = fused_parts(module, names, x)
     pad = -sum(w.shape[0] for w in weights) % pad_to
     if pad:
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))

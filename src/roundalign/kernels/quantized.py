@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from roundalign.errors import UserError
-from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, _plain_linears
-from roundalign.mixed_precision import engine_weight, low_dtype
+from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, fused_parts
 from roundalign.profiles import GemmKernel
 from roundalign.quant.grid import Quantized, fp8_linear, int8_linear, quantize_weight
 from roundalign.quant.schemes import Scheme
@@ -84,12 +83,7 @@ def _served(module, key: str, weights, biases, scheme: Scheme, gemm: GemmKernel)
 def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, scheme: Scheme) -> list:
     """``[module.<name>(x) for name in names]`` as the quantized engine computes them (one fused layer, as vLLM
     fuses q/k/v and gate/up), with the straight-through gradient (module docstring)."""
-    mods = _plain_linears(module, names)
-    low = low_dtype(x)
-    weights = [engine_weight(m.weight, low) for m in mods]
-    biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
-    if biases and len(biases) != len(mods):
-        raise UserError(f"{', '.join(names)}: some have a bias and some not; vLLM fuses them only when all or none do")
+    mods, low, weights, biases = fused_parts(module, names, x)
     for name, w in zip(names, weights, strict=True):
         scheme.check_shape(name, *w.shape)
     dequantized, run = _served(module, ",".join(names), weights, biases, scheme, gemm)

@@ -119,7 +119,9 @@ def _detail_rows(p: Profile) -> list[tuple[str, str, str, str]]:
     rows.append(("rope angles", str(p.rope_angles), angles, "yes" if p.rope_angles != hf.rope_angles else "no"))
     for kernel in ("attention", "gemm", "forward"):
         rule = getattr(p, kernel)
-        rows.append((kernel, str(rule), "whose kernel the trainer runs", "yes" if rule != getattr(hf, kernel) else "no"))
+        rows.append(
+            (kernel, str(rule), "whose kernel the trainer runs", "yes" if rule != getattr(hf, kernel) else "no")
+        )
     q = p.quantization
     rows.append(("quantization", str(q), _display(q.description), "yes" if q.quantized else "no"))
     return rows

@@ -28,6 +28,9 @@ import torch
 
 from roundalign.quant.schemes import Scheme
 
+FP8_MAX = 448.0  # E4M3's largest finite value
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
+
 
 @dataclass
 class Quantized:
@@ -75,6 +78,8 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Qu
         raise ValueError("quantize_weight: the 'none' scheme serves bf16 weights")
     if source not in ("bf16", "fp32"):
         raise ValueError(f"source must be 'bf16' or 'fp32', got {source!r}")
+    if scheme.online:
+        return _online_fp8(w.detach().to(torch.bfloat16 if source == "bf16" else torch.float32))
     dtype = torch.bfloat16 if source == "bf16" else torch.float32
     x = _groups(scheme, w.detach().to(dtype))
     lo, hi = scheme.grid
@@ -99,6 +104,16 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Qu
     return Quantized(codes, scale, zp)
 
 
+def _online_fp8(w: torch.Tensor) -> Quantized:
+    """vLLM's own per-channel FP8 quantizer (``Fp8PtpcOnlineLinearMethod``, vllm 0.32): ``s = max(amax / 448, 1 /
+    (448 * 512))`` in fp32, ``code = e4m3(clamp(w / s))`` by true division in fp32; the fp32 scale is served as it
+    is."""
+    amax = torch.maximum(w.amin(-1, keepdim=True).abs(), w.amax(-1, keepdim=True).abs()).float()
+    scale = (amax / torch.tensor(FP8_MAX)).clamp_min(FP8_MIN_SCALE)
+    codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Quantized(codes, scale, None)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's dynamic per-token int8 quantizer on ``x`` (``(rows, in)``): ``(codes int8, scale fp32 (rows, 1))``."""
     xf = x.float()
@@ -117,10 +132,6 @@ def int8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = 
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
-
-
-FP8_MAX = 448.0  # E4M3's largest finite value
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
 
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

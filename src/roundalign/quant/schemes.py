@@ -13,7 +13,9 @@ The built-ins are what vLLM's CPU build serves from a compressed-tensors checkpo
 ``w8a8-int8`` (llm-compressor's W8A8 int8: per-channel weights, dynamic per-token activations), ``w4a16`` (GPTQ/AWQ-
 style 4-bit groups of 128, symmetric), ``w4a16-g32`` (groups of 32), ``w4a16-zp`` and ``w4a16-g32-zp`` (with zero
 points), and ``fp8`` (llm-compressor's FP8_DYNAMIC: E4M3 per-channel weights, dynamic per-token E4M3 activations;
-vLLM's CPU build fails to load per-tensor FP8, so there is no per-tensor scheme). ``none`` is the bf16 engine.
+vLLM's CPU build fails to load per-tensor FP8, so there is no per-tensor scheme); ``fp8-online`` is vLLM quantizing
+the bf16 checkpoint itself at load (``quantization="fp8_per_channel"``), in its own arithmetic. ``none`` is the bf16
+engine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Scheme:
     group_size: int | None = None  # inputs per scale under "group"
     symmetric: bool = True  # False: a zero point per scale (codes shifted by it)
     activations: str = "none"  # "none" (bf16 activations), "int8-token" or "fp8-token" (dynamic, one scale per row)
+    # vLLM quantizes the bf16 checkpoint itself at load (its ``quantization=`` argument, e.g. "fp8_per_channel"),
+    # in its own arithmetic (fp32 scales), instead of serving a quantized checkpoint: None for checkpoint schemes.
+    online: str | None = None
     description: str = ""
 
     def __str__(self) -> str:
@@ -85,6 +90,12 @@ class Scheme:
         ``CompressedTensorsConfig`` reads): one config group over every ``Linear``, the lm_head left in bf16."""
         if not self.quantized:
             raise UserError("the bf16 scheme ('none') has no quantization config; a bf16 checkpoint is plain HF")
+        if self.online:
+            raise UserError(
+                f"{self} is quantized by vLLM itself at load (quantization={self.online!r}) from the bf16 "
+                f"checkpoint; there is no quantized checkpoint to write. Serve the bf16 model with that option "
+                f"(roundalign dump --quantization {self} does)"
+            )
         weights = {
             "num_bits": self.bits,
             "type": "float" if self.weights == "fp8" else "int",
@@ -141,6 +152,15 @@ SCHEMES: dict[str, Scheme] = {
             description="FP8 E4M3 weights, one scale per output channel; FP8 activations, one dynamic scale per token "
             "(llm-compressor's FP8_DYNAMIC)",
         ),
+        Scheme(
+            "fp8-online",
+            weights="fp8",
+            strategy="channel",
+            activations="fp8-token",
+            online="fp8_per_channel",
+            description="FP8 as vLLM quantizes a bf16 checkpoint at load (quantization='fp8_per_channel'): per-channel "
+            "E4M3 weights with fp32 scales, dynamic per-token activations",
+        ),
         Scheme("w4a16", weights="int4", strategy="group", group_size=128,
                description="4-bit weights in groups of 128 inputs, symmetric (GPTQ/AWQ-style); bf16 activations"),
         Scheme("w4a16-g32", weights="int4", strategy="group", group_size=32,
@@ -164,7 +184,7 @@ def from_compressed_tensors(config: dict) -> Scheme:
         )
     w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
     for scheme in SCHEMES.values():
-        if not scheme.quantized:
+        if not scheme.quantized or scheme.online:
             continue
         ours = scheme.compressed_tensors_config()["config_groups"]["group_0"]
         keys = ("num_bits", "type", "symmetric", "strategy", "group_size")

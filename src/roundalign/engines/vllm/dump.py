@@ -35,8 +35,14 @@ def run(cfg, log=print) -> tuple[list[Rollout], list[list[float]], dict]:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
+    online = None
+    if cfg.quantization:
+        from roundalign.quant import Scheme
+
+        online = Scheme.parse(cfg.quantization).online  # vLLM quantizes the bf16 weights itself at load
     llm = LLM(
         model=cfg.model,
+        **({"quantization": online} if online else {}),
         dtype="bfloat16",
         logprobs_mode="raw_logprobs",
         max_model_len=cfg.max_model_len,

@@ -51,6 +51,13 @@ def runner_model(llm):
 
 def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     """Serve ``state_dict`` (HF-named, the trainer's weights) quantized in ``scheme`` from the next request on."""
+    if scheme.online:
+        # vLLM quantizes what it loads (its online method's post-load processing, re-run by its reload), from the
+        # bf16 weights: tests/test_quant_vllm.py checks that it serves what a fresh engine serves.
+        bf16 = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(bf16.items())})
+        llm.reset_prefix_cache()
+        return
     linears, rest = checkpoint.quantize_state_dict(state_dict, scheme)
     served = checkpoint.served_state_dict(state_dict, scheme, (linears, rest))
     model = runner_model(llm)
