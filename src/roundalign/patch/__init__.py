@@ -137,6 +137,12 @@ def _patch_modules(model, family: Family, prof: Profile, config) -> None:
             f"quantization {quant} is computed for dense models (Qwen2, Qwen3, Llama); Qwen3-MoE's experts are not "
             "served quantized by roundalign yet. Use the profile without quantization for this model"
         )
+    if quant is not None:  # a layer the engine's kernel cannot serve fails now, not in the first forward
+        from roundalign.quant.schemes import PROJECTIONS
+
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in PROJECTIONS and isinstance(module, torch.nn.Linear):
+                quant.check_shape(name, *module.weight.shape)
     qk_fused = family.has_qk_norm and prof.qk_norm is QKNormRule.FUSED_INTO_ROPE
 
     def attrs_for(role: str, name: str, module) -> dict:

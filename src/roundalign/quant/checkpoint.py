@@ -27,11 +27,9 @@ import torch
 from roundalign import durable
 from roundalign.errors import MissingFile, UserError
 from roundalign.quant.grid import Quantized, pack_int4, quantize_weight, unpack_int4
-from roundalign.quant.schemes import Scheme, from_compressed_tensors
+from roundalign.quant.schemes import PROJECTIONS, Scheme, from_compressed_tensors
 from roundalign.untrusted import read_json_object
 
-# The linear layers a dense decoder quantizes (compressed-tensors' targets ["Linear"], ignore ["lm_head"]).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from roundalign.errors import UserError
 
+# The linear layers a dense decoder serves quantized (compressed-tensors' targets ["Linear"], ignore ["lm_head"]).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT_GRIDS = {"int8": (-128, 127), "int4": (-8, 7), "fp8": (-448.0, 448.0)}  # (lowest, highest) code
 ACTIVATIONS = ("none", "int8-token", "fp8-token")
 
@@ -201,4 +203,4 @@ def from_compressed_tensors(config: dict) -> Scheme:
     )
 
 
-__all__ = ["NONE", "SCHEMES", "Scheme", "from_compressed_tensors"]
+__all__ = ["NONE", "PROJECTIONS", "SCHEMES", "Scheme", "from_compressed_tensors"]
