@@ -307,3 +307,18 @@ def test_fit_carries_the_served_quantization():
     roundalign.apply(model, result.profile)
     for r in dump:
         assert torch.equal(TrainerSide.token_logprobs(model, r), torch.tensor(r.logprobs, dtype=torch.float32))
+
+
+def test_sync_exports_the_served_copy_from_the_bf16_cast():
+    """``roundalign.sync.export_quantized`` quantizes the RNE bf16 copy of an fp32 master, as the checkpoint is
+    written from it."""
+    from roundalign.sync import export_quantized
+
+    g = torch.Generator().manual_seed(7)
+    master = {"model.layers.0.mlp.down_proj.weight": torch.randn(64, 128, generator=g) * 0.05,
+              "model.norm.weight": torch.ones(64) + 1e-4}  # fmt: skip
+    served = export_quantized(master, "w4a16")
+    q = grid.quantize_weight(master["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16), SCHEMES["w4a16"])
+    assert torch.equal(served["model.layers.0.mlp.down_proj.weight_packed"], grid.pack_int4(q.codes, dim=1))
+    assert torch.equal(served["model.layers.0.mlp.down_proj.weight_scale"], q.scale)
+    assert served["model.norm.weight"].dtype == torch.bfloat16

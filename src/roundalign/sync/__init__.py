@@ -11,10 +11,17 @@ Cast (Gao & Gao) exports with unbiased stochastic rounding or error feedback ins
     served_sd = exporter.export(master_sd)
     metrics = UpdateTracker().update(master_sd, served_sd)                  # sync/visible_fraction, ...
 
+For a quantized engine, ``export_quantized(master_sd, "w8a8-int8")`` gives the tensors it serves and
+``write_quantized`` the compressed-tensors checkpoint (``roundalign.sync.quantized``, docs/quantization.md).
+
 docs/sync.md has the formulas, the metrics' definitions and the measured cost.
 """
 
 from roundalign.sync.export import EXPORT_DTYPES, MODES, Exporter, ExportState, export_bf16, tensor_seed
+from roundalign.sync.quantized import export_quantized, write_quantized
 from roundalign.sync.visibility import KEYS, UpdateTracker
 
-__all__ = ["EXPORT_DTYPES", "KEYS", "MODES", "ExportState", "Exporter", "UpdateTracker", "export_bf16", "tensor_seed"]
+__all__ = [
+    "EXPORT_DTYPES", "KEYS", "MODES", "ExportState", "Exporter", "UpdateTracker", "export_bf16", "export_quantized",
+    "tensor_seed", "write_quantized",
+]  # fmt: skip
