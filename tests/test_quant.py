@@ -104,7 +104,7 @@ def test_activation_quantizers_match_vllms():
 
 
 def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
-    """The exact integer GEMM, then (acc * s_w) * s_x + b in fp32. Weight codes within [-64, 64]: on CPUs without
+    """The exact integer GEMM, then (acc * s_w) * s_x, or fma(acc * s_w, s_x, b), in fp32. Weight codes within [-64, 64]: on CPUs without
     VNNI (AVX2 only) oneDNN's s8s8 GEMM, torch._int_mm's and vLLM's alike, saturates pairs of products at int16
     (its ``vpmaddubsw``; oneDNN's documentation says so), which no pair of such codes can reach; the full range is
     checked against vLLM itself (tests/test_quant_vllm.py)."""
@@ -118,8 +118,16 @@ def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
     bias = torch.randn(32, generator=g).to(torch.bfloat16)
     codes, scale = grid.quantize_activations(x)
     acc = codes.long() @ weight.codes.long().t()  # exact in int64
-    expected = ((acc.float() * weight.scale.float().view(1, -1)) * scale + bias.float()).to(torch.bfloat16)
-    assert torch.equal(grid.int8_linear(x, weight, bias), expected)
+    scaled = acc.float() * weight.scale.float().view(1, -1)
+    assert torch.equal(grid.int8_linear(x, weight), (scaled * scale).to(torch.bfloat16))
+    # With a bias, one fused multiply-add (one rounding to fp32), written here with exact rationals.
+    from fractions import Fraction
+
+    got = grid.int8_linear(x, weight, bias)
+    for i, j in [(0, 0), (1, 7), (4, 31), (2, 16)]:
+        exact = Fraction(float(scaled[i, j])) * Fraction(float(scale[i, 0])) + Fraction(float(bias[j]))
+        want = torch.tensor(ref.f32(float(exact)), dtype=torch.float32).to(torch.bfloat16)
+        assert torch.equal(got[i, j], want), (i, j)
 
 
 # ----------------------------------------------------------------------------------------------- checkpoint
@@ -322,3 +330,10 @@ def test_sync_exports_the_served_copy_from_the_bf16_cast():
     assert torch.equal(served["model.layers.0.mlp.down_proj.weight_packed"], grid.pack_int4(q.codes, dim=1))
     assert torch.equal(served["model.layers.0.mlp.down_proj.weight_scale"], q.scale)
     assert served["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_the_compiled_forward_refuses_a_quantized_engine():
+    """vLLM's compiled forward (kernels/graph.py) is its bf16 code: it would leave the scheme out, so it refuses."""
+    model = trainer_model("qwen3", num_hidden_layers=1)
+    with pytest.raises(UserError, match="enforce_eager mode only"):
+        roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels+quantization=w8a8-int8")

@@ -5,8 +5,8 @@ vLLM's CPU build (.venv-vllm) serves W8A8 int8, W4A16 (groups of 128, and of 32 
 compressed-tensors checkpoints; ``roundalign dump --quantization SCHEME`` quantizes the bf16 model into one and
 samples from it in ``enforce_eager`` mode. The trainer side (tests/kernels_trainer.py, in the engine's Python)
 applies ``<build>-kernels+quantization=SCHEME``: the build's rounding rules, vLLM's attention, and each linear
-through vLLM's own quantized layer. Two models: the shipped Qwen3 (head_dim 64, confident) and a random Llama
-(head_dim 128, about 2 nats of entropy). Also here: compressed-tensors itself as an independent producer of the
+through vLLM's own quantized layer. Three models: the shipped Qwen3 (head_dim 64, confident), a random Llama
+(head_dim 128, about 2 nats of entropy) and a random Qwen2 (biases on q/k/v). Also here: compressed-tensors itself as an independent producer of the
 checkpoint, the in-place reload of a running quantized engine, and ``probe --engine vllm --quantization``.
 """
 
@@ -24,12 +24,14 @@ from roundalign.engines.dump import DumpConfig
 from roundalign.engines.launch import run_dump
 from roundalign.rollouts.dumpdir import read_dump, read_info
 from tests.test_real_vllm_kernels import KERNELS, ROUNDING, TRAINER
-from tests.wide_model import build_llama
+from tests.wide_model import build_llama, build_qwen2
 
 HERE = Path(__file__).parent
 CASES = [(m, s) for m in ("shipped", "llama") for s in ("w8a8-int8", "w4a16", "fp8")] + [
     ("shipped", "w4a16-g32-zp"),
     ("shipped", "fp8-online"),
+    ("qwen2", "w8a8-int8"),  # biases on q/k/v: vLLM's epilogue adds them in one fused multiply-add
+    ("qwen2", "w4a16"),
 ]
 
 
@@ -47,18 +49,23 @@ def llama(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("llama") / "model")
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return build_qwen2(tmp_path_factory.mktemp("qwen2") / "model")
+
+
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def exact(request, engine_python, llama, tmp_path_factory):
+def exact(request, engine_python, llama, qwen2, tmp_path_factory):
     """(model dir, scheme, the engine's dump, the exact trainer's results) per model and scheme."""
     name, scheme = request.param
     tmp = tmp_path_factory.mktemp(f"quant-{name}-{scheme}")
-    model = models.path() if name == "shipped" else llama
+    model = {"shipped": models.path(), "llama": llama, "qwen2": qwen2}[name]
     dump_dir = _dump(engine_python, model, tmp / "dump", scheme)
     profile = f"{KERNELS}+quantization={scheme}"
     proc = subprocess.run([engine_python, str(TRAINER), str(model), dump_dir, profile, str(tmp / "trainer.pt")],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dump = read_dump(dump_dir, vocab_size=264, max_model_len=512 if name == "llama" else 256)
+    dump = read_dump(dump_dir, vocab_size=264, max_model_len=256 if name == "shipped" else 512)
     return model, scheme, dump_dir, dump, torch.load(tmp / "trainer.pt")
 
 

@@ -80,5 +80,26 @@ def build_llama(out: str | Path) -> Path:
     return _save(LlamaForCausalLM(config), out)
 
 
+def build_qwen2(out: str | Path) -> Path:
+    """A random Qwen2 (biases on q/k/v, head_dim 64) in ``out``, like ``build``; returns ``out``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    config = Qwen2Config(
+        vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # biases that matter (HF initializes them to zero)
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+    return _save(model, out)
+
+
 if __name__ == "__main__":
     print(build_llama(sys.argv[1]) if "--llama" in sys.argv[2:] else build(sys.argv[1]))

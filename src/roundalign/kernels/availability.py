@@ -22,6 +22,12 @@ def check(profile: Profile, model) -> None:
                 f"profile {profile.name!r} names attention={profile.attention!s}, gemm={profile.gemm!s}. Use "
                 "attention='vllm-cpu' and gemm='vllm-cpu' (the vllm-0.32-cpu-kernels profile)"
             )
+        if profile.quantization.quantized:
+            raise UserError(
+                f"forward='vllm-cpu-compiled' computes vLLM's compiled bf16 forward; a quantized engine "
+                f"({profile.quantization}) is reproduced in vLLM's enforce_eager mode only. Sample with "
+                f"--enforce-eager and use the eager profile ({profile.name.replace('-compiled-kernels', '-eager-kernels')})"
+            )
         from roundalign.kernels import graph
 
         graph.check(model)

@@ -124,14 +124,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A W8A8 int8 linear as vLLM's CPU oneDNN kernel computes it (measured bit for bit): the activations quantized
-    per token (``quantize_activations``), an int32 GEMM (exact in any order), then in fp32
-    ``(acc * weight_scale) * token_scale + bias``, rounded once to ``x``'s dtype."""
+    per token (``quantize_activations``), an int32 GEMM (exact in any order where the CPU has VNNI or AMX), then in
+    fp32 ``fma(acc * weight_scale, token_scale, bias)``, rounded once to ``x``'s dtype."""
     codes, scale = quantize_activations(x)
     acc = torch._int_mm(codes, weight.codes.t()).float()
-    out = (acc * weight.scale.float().view(1, -1)) * scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    out = acc * weight.scale.float().view(1, -1)
+    if bias is None:
+        return (out * scale).to(x.dtype)
+    # oneDNN applies the token's scale and the bias as one fused multiply-add (one rounding; measured: a multiply
+    # and an add differ for a few outputs in ten thousand). fp32 products are exact in fp64, so this is the FMA up
+    # to a double rounding, which can differ from it for about one value in 2^29.
+    return (out.double() * scale.double() + bias.double()).float().to(x.dtype)
 
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
