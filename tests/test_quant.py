@@ -104,10 +104,10 @@ def test_activation_quantizers_match_vllms():
 
 
 def test_int8_linear_is_the_integer_gemm_with_vllms_epilogue():
-    """The exact integer GEMM, then (acc * s_w) * s_x, or fma(acc * s_w, s_x, b), in fp32. Weight codes within [-64, 64]: on CPUs without
-    VNNI (AVX2 only) oneDNN's s8s8 GEMM, torch._int_mm's and vLLM's alike, saturates pairs of products at int16
-    (its ``vpmaddubsw``; oneDNN's documentation says so), which no pair of such codes can reach; the full range is
-    checked against vLLM itself (tests/test_quant_vllm.py)."""
+    """The exact integer GEMM, then (acc * s_w) * s_x, or fma(acc * s_w, s_x, b), in fp32. Weight codes within
+    [-64, 64]: on CPUs without VNNI (AVX2 only) oneDNN's s8s8 GEMM, torch._int_mm's and vLLM's alike, saturates
+    pairs of products at int16 (its ``vpmaddubsw``; oneDNN's documentation says so), which no pair of such codes
+    can reach; the full range is checked against vLLM itself (tests/test_quant_vllm.py)."""
     g = torch.Generator().manual_seed(5)
     weight = grid.Quantized(
         torch.randint(-64, 65, (32, 64), generator=g, dtype=torch.int8),

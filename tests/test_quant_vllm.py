@@ -6,8 +6,9 @@ compressed-tensors checkpoints; ``roundalign dump --quantization SCHEME`` quanti
 samples from it in ``enforce_eager`` mode. The trainer side (tests/kernels_trainer.py, in the engine's Python)
 applies ``<build>-kernels+quantization=SCHEME``: the build's rounding rules, vLLM's attention, and each linear
 through vLLM's own quantized layer. Three models: the shipped Qwen3 (head_dim 64, confident), a random Llama
-(head_dim 128, about 2 nats of entropy) and a random Qwen2 (biases on q/k/v). Also here: compressed-tensors itself as an independent producer of the
-checkpoint, the in-place reload of a running quantized engine, and ``probe --engine vllm --quantization``.
+(head_dim 128, about 2 nats of entropy) and a random Qwen2 (biases on q/k/v). Also here: compressed-tensors itself
+as an independent producer of the checkpoint, the in-place reload of a running quantized engine, and
+``probe --engine vllm --quantization``.
 """
 
 from __future__ import annotations

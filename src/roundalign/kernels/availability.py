@@ -23,10 +23,11 @@ def check(profile: Profile, model) -> None:
                 "attention='vllm-cpu' and gemm='vllm-cpu' (the vllm-0.32-cpu-kernels profile)"
             )
         if profile.quantization.quantized:
+            eager = profile.name.replace("-compiled-kernels", "-eager-kernels")
             raise UserError(
                 f"forward='vllm-cpu-compiled' computes vLLM's compiled bf16 forward; a quantized engine "
                 f"({profile.quantization}) is reproduced in vLLM's enforce_eager mode only. Sample with "
-                f"--enforce-eager and use the eager profile ({profile.name.replace('-compiled-kernels', '-eager-kernels')})"
+                f"--enforce-eager and use the eager profile ({eager})"
             )
         from roundalign.kernels import graph
 
