@@ -337,3 +337,21 @@ def test_the_compiled_forward_refuses_a_quantized_engine():
     model = trainer_model("qwen3", num_hidden_layers=1)
     with pytest.raises(UserError, match="enforce_eager mode only"):
         roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels+quantization=w8a8-int8")
+
+
+def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
+    """``roundalign train`` with the reference engine serving W8A8 int8 (re-quantized after every weight sync): the
+    trainer with the same profile has k3_kl = 0 at every step; the stock bf16 trainer does not."""
+    from roundalign.rl.config import TrainConfig
+    from roundalign.rl.logbook import read_metrics
+    from roundalign.rl.loop import train
+
+    small = dict(prompts_per_step=2, group_size=2, max_tokens=24, eval_problems=4, eval_every=2, lr=1e-4, steps=2)
+    profile = "vllm-reference-kernels+quantization=w8a8-int8"  # the engine's decode kernels in the trainer too
+    kl = {}
+    for trainer in ("engine", "hf"):
+        config = TrainConfig(engine_profile=profile, trainer_profile=trainer, **small).validate()
+        out = train(config, tmp_path / trainer, progress=False, tensorboard=False)
+        kl[trainer] = [r["rollout_corr/k3_kl"] for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert kl["engine"] == [0.0, 0.0]
+    assert all(k > 0 for k in kl["hf"])
