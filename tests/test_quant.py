@@ -355,3 +355,19 @@ def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
         kl[trainer] = [r["rollout_corr/k3_kl"] for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
     assert kl["engine"] == [0.0, 0.0]
     assert all(k > 0 for k in kl["hf"])
+
+
+def test_probe_quantizes_built_in_engine_profiles_only(tmp_path):
+    from roundalign.probe.run import ProbeConfig
+
+    cfg = ProbeConfig(quantization="w4a16", layer_sequences=0).validate()
+    assert cfg.engine_profile == "vllm-reference-kernels+quantization=w4a16"
+    assert cfg.trainer_profiles == (
+        "hf", "vllm", "vllm+quantization=w4a16", "vllm-reference-kernels+quantization=w4a16",
+    )  # fmt: skip
+    mine = get_profile("vllm").replace(qk_norm="round_after_weight")  # rules no built-in profile has
+    Profile(**{**mine.__dict__, "name": "vllm"}).save(tmp_path / "mine.json")  # under a built-in's name, even
+    with pytest.raises(UserError, match="applies to a built-in engine profile"):
+        ProbeConfig(quantization="w4a16", engine_profile=str(tmp_path / "mine.json")).validate()
+    with pytest.raises(UserError, match="unknown quantization scheme 'int2'"):
+        ProbeConfig(quantization="int2").validate()

@@ -33,7 +33,7 @@ from roundalign.numerics import attribution as attr
 from roundalign.numerics.metrics import layer_agreement, log_ratios, mismatch_metrics
 from roundalign.options import SAMPLING, check_sampling, option
 from roundalign.probe.report import build_report
-from roundalign.profiles import Profile, describe_engine, for_engine, get_profile
+from roundalign.profiles import PROFILES, Profile, describe_engine, for_engine, get_profile
 from roundalign.prompts import Prompts, default_prompts, round_robin, token_ids
 from roundalign.rollouts import Rollout
 from roundalign.rollouts.dumpdir import read_references
@@ -124,8 +124,15 @@ class ProbeConfig:
             given = "--enforce-eager" if self.enforce_eager else "--engine-python"
             raise UserError(f"{given} applies to a real engine's run; add --engine vllm")
         name = self.engine_profile or _default_engine_profile(self.engine_logprobs)
-        engine = _quantized(get_profile(name), self.quantization, _dump_quantization(self.engine_logprobs))
-        name = engine.name
+        base = get_profile(name)  # unknown name: UserError listing the profiles
+        engine = _quantized(base, self.quantization, _dump_quantization(self.engine_logprobs))
+        if engine is not base:  # the report and the stages name the engine profile by a name get_profile reads back
+            if engine.name.partition("+")[0] not in PROFILES or get_profile(engine.name).rules() != engine.rules():
+                raise UserError(
+                    f"--quantization {engine.quantization} applies to a built-in engine profile; {name} is a profile "
+                    "file: set its quantization (Profile.replace(quantization=...).save(path)) and give that file"
+                )
+            name = engine.name
         given = [self.profiles.get(p) or get_profile(p) for p in self.trainer_profiles or _default_trainers(engine)]
         profiles = {p.name: p for p in given}
         fields = dict(
@@ -239,7 +246,6 @@ def _exact_for(engine: Profile) -> Profile | None:
     """The ``-kernels`` variant of a real engine's quantized profile, where the built-in exists and vLLM's kernels
     can run in this Python (the exact quantized trainer calls vLLM's own layers)."""
     from roundalign.extras import available
-    from roundalign.profiles import PROFILES
 
     base = engine.name.partition("+")[0]
     if f"{base}-kernels" not in PROFILES or not available("vllm"):
