@@ -340,21 +340,25 @@ def test_the_compiled_forward_refuses_a_quantized_engine():
 
 
 def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
-    """``roundalign train`` with the reference engine serving W8A8 int8 (re-quantized after every weight sync): the
-    trainer with the same profile has k3_kl = 0 at every step; the stock bf16 trainer does not."""
+    """``roundalign train --quantization w8a8-int8`` with the reference engine (re-quantized after every weight sync):
+    the trainer with the same profile has k3_kl = 0 at every step; the stock bf16 trainer does not."""
     from roundalign.rl.config import TrainConfig
     from roundalign.rl.logbook import read_metrics
     from roundalign.rl.loop import train
 
     small = dict(prompts_per_step=2, group_size=2, max_tokens=24, eval_problems=4, eval_every=2, lr=1e-4, steps=2)
-    profile = "vllm-reference-kernels+quantization=w8a8-int8"  # the engine's decode kernels in the trainer too
+    profile = "vllm-reference-kernels"  # the engine's decode kernels in the trainer too
     kl = {}
     for trainer in ("engine", "hf"):
-        config = TrainConfig(engine_profile=profile, trainer_profile=trainer, **small).validate()
-        out = train(config, tmp_path / trainer, progress=False, tensorboard=False)
+        config = TrainConfig(engine_profile=profile, quantization="w8a8-int8", trainer_profile=trainer, **small)
+        out = train(config.validate(), tmp_path / trainer, progress=False, tensorboard=False)
         kl[trainer] = [r["rollout_corr/k3_kl"] for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+        written = json.loads((out / "config.json").read_text())
+        assert written["engine_profile"] == f"{profile}+quantization=w8a8-int8"
     assert kl["engine"] == [0.0, 0.0]
     assert all(k > 0 for k in kl["hf"])
+    with pytest.raises(UserError, match="enforce_eager mode: add --enforce-eager"):
+        TrainConfig(engine="vllm", quantization="w8a8-int8").validate()
 
 
 def test_probe_quantizes_built_in_engine_profiles_only(tmp_path):

@@ -178,3 +178,27 @@ def test_probe_compares_the_four_trainers(engine_python, tmp_path):
     assert rows[f"{KERNELS}+quantization=w8a8-int8"]["mismatch/bitwise_equal_frac"] == 1.0
     assert rows["hf"]["mismatch/bitwise_equal_frac"] < 1.0
     assert any(r["region"] == "quantization" for a in report["attribution"] for r in a["regions"])
+
+
+def test_train_on_a_quantized_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path):
+    """``roundalign train --engine vllm --enforce-eager --quantization w8a8-int8``: vLLM serves the checkpoint written
+    to OUT/served-model, the trainer (the build's ``-kernels`` profile with the scheme) recomputes and updates, and
+    the updated weights are quantized and reloaded into the running vLLM after every step. Every step's recompute
+    equals the sampler's log-probs, also after updates that changed the served weights."""
+    out = tmp_path / "run"
+    argv = [engine_python, "-m", "roundalign", "train", "--engine", "vllm", "--enforce-eager", "--out", str(out)]
+    argv += ["--quantization", "w8a8-int8", "--steps", "3", "--prompts-per-step", "3", "--group-size", "4"]
+    argv += ["--max-tokens", "24", "--level", "1", "--lr", "1e-3", "--eval-every", "0", "--eval-problems", "4"]
+    proc = subprocess.run([*argv, "--quiet", "--no-tensorboard"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["trainer_profile"] == f"{KERNELS}+quantization=w8a8-int8"
+    assert json.loads((out / "served-model" / "config.json").read_text())["quantization_config"]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["rollout_corr/k3_kl"] == 0.0 and m["mismatch/bitwise_equal_frac"] == 1.0
+        assert m["rollout_corr/raw_is_min"] == m["rollout_corr/raw_is_max"] == 1.0
+    assert any(a["actor/trained_sequence_frac"] > 0 and a["sync/visible_fraction"] > 0.5 for a in steps[:-1]), (
+        "no step changed the served weights; raise the learning rate"
+    )

@@ -104,6 +104,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
             Option("enforce_eager", {"action": "store_true"}),
             Option("engine_profile", {"metavar": "NAME"}),
             Option("engine_backend", {"choices": ENGINE_BACKENDS}),
+            Option("quantization", {"metavar": "SCHEME"}),
             Option("prompts_per_step", {"type": int}),
             Option("group_size", {"type": int}),
             Option("max_tokens", {"type": int}),

@@ -61,6 +61,15 @@ class TrainConfig:
     engine_backend: str = field(
         default="kernels", metadata={"help": "the reference engine's numerics backend (default {default})"}
     )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "the engine serves a quantized copy in this scheme (w8a8-int8, fp8, w4a16, ...; "
+            "docs/quantization.md), re-quantized from the served bf16 copy after every step: the reference engine "
+            "computes it, or vLLM serves the checkpoint roundalign writes (OUT/served-model) and reloads it in place; "
+            "--trainer-profile engine then computes it exactly"
+        },
+    )
     trainer_profile: str = field(
         default=TRAINER_SAME_AS_ENGINE,
         metadata={
@@ -224,6 +233,19 @@ class TrainConfig:
             except (KeyError, ValueError) as exc:
                 raise UserError(f"{flag(name)}: {exc}") from None
         _choice(self.engine, ENGINES, "engine")
+        if self.quantization is not None:
+            from roundalign.quant import Scheme
+
+            scheme = Scheme.parse(self.quantization)
+            if not scheme.quantized:
+                raise UserError("--quantization none is the bf16 engine: drop the option")
+            if self.engine == "vllm" and not self.enforce_eager:
+                raise UserError(
+                    "--quantization with --engine vllm is reproduced in vLLM's enforce_eager mode: add --enforce-eager"
+                )
+            served = get_profile(self.engine_profile).quantization
+            if self.engine == "reference" and served.quantized and served != scheme:
+                raise UserError(f"--engine-profile {self.engine_profile} serves {served}, not --quantization {scheme}")
         if self.enforce_eager and self.engine != "vllm":
             raise UserError("--enforce-eager is a vLLM mode: add --engine vllm, or drop --enforce-eager")
         if self.engine == "vllm" and (self.dtype != "bfloat16" or self.engine_backend != "kernels"):

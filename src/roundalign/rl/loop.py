@@ -38,6 +38,7 @@ from roundalign.errors import ExitStatus, Failure, UserError
 from roundalign.numerics.correction import is_weights
 from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
+from roundalign.profiles import PROFILES, get_profile
 from roundalign.rl import checkpoint, faults
 from roundalign.rl.config import TRAINER_SAME_AS_ENGINE, TrainConfig
 from roundalign.rl.data import Task, sampling_seed
@@ -85,8 +86,9 @@ class Run:
             from roundalign.engines.vllm.inprocess import VllmEngine
 
             self.engine = VllmEngine(
-                self.model_dir, enforce_eager=config.enforce_eager, seed=config.seed, dtype=DTYPE[config.dtype]
-            )
+                self.model_dir, enforce_eager=config.enforce_eager, seed=config.seed, dtype=DTYPE[config.dtype],
+                quantization=config.quantization, served_dir=out / "served-model",
+            )  # fmt: skip
         else:
             self.engine = Engine(
                 self.model_dir, config.engine_profile, config.engine_backend, dtype=DTYPE[config.dtype]
@@ -289,7 +291,18 @@ def train(
         from roundalign.engines.vllm.profile import trainer_profile
 
         # The exact trainer of this vLLM build, named in config.json (a resumed run keeps it).
-        config = config.replace(trainer_profile=trainer_profile(config.enforce_eager))
+        exact = trainer_profile(config.enforce_eager)
+        quantized = f"+quantization={config.quantization}" if config.quantization else ""
+        config = config.replace(trainer_profile=exact + quantized)
+    elif config.engine == "reference" and config.quantization:
+        # The reference engine serves the scheme: its profile says so (and the trainer's, under 'engine').
+        engine = get_profile(config.engine_profile).replace(quantization=config.quantization)
+        if engine.name.partition("+")[0] not in PROFILES or get_profile(engine.name).rules() != engine.rules():
+            raise UserError(
+                f"--quantization applies to a built-in --engine-profile; {config.engine_profile} is a profile file: "
+                "set its quantization (Profile.replace(quantization=...).save(path)) and give that file"
+            )
+        config = config.replace(engine_profile=engine.name)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)

@@ -38,10 +38,33 @@ RESUME = "; the run continues from its last checkpoint with roundalign train --r
 class VllmEngine:
     """``vllm.LLM`` behind the reference engine's interface, for the GRPO loop (rl/loop.py)."""
 
-    def __init__(self, model_dir: str | Path, *, enforce_eager: bool, seed: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        enforce_eager: bool,
+        seed: int,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        served_dir: str | Path | None = None,
+    ):
         if dtype != torch.bfloat16:
             raise UserError("--engine vllm serves bfloat16 (the CPU build's dtype here); drop --dtype")
         installed_version()
+        from roundalign.quant import Scheme
+
+        # A quantized engine serves the checkpoint written to served_dir (or quantizes the bf16 model itself, for
+        # an online scheme); every load_weights quantizes the new weights and reloads them in place.
+        self.scheme = Scheme.parse(quantization) if quantization else None
+        serve, online = Path(model_dir), {}
+        if self.scheme is not None and self.scheme.online:
+            online = {"quantization": self.scheme.online}
+        elif self.scheme is not None:
+            from roundalign.quant import checkpoint
+
+            if served_dir is None:
+                raise UserError("a quantized VllmEngine needs served_dir, where its checkpoint is written")
+            serve = checkpoint.write(model_dir, served_dir, self.scheme)
         # As a dump sets it, before vLLM is imported: the engine core in this process (here so that the trainer can
         # reload its weights in place), a 1 GiB CPU KV cache (set VLLM_CPU_KVCACHE_SPACE for more), bound threads.
         for key, value in ENVIRONMENT.items():
@@ -50,7 +73,8 @@ class VllmEngine:
 
         self.model_dir = Path(model_dir)
         self.llm = LLM(
-            model=str(self.model_dir),
+            model=str(serve),
+            **online,
             dtype="bfloat16",
             logprobs_mode="processed_logprobs",
             enforce_eager=enforce_eager,
@@ -117,7 +141,14 @@ class VllmEngine:
         return scored
 
     def load_weights(self, served: dict) -> None:
-        """Serve ``served`` (HF-named tensors in the served dtype) from the next generate on, in place."""
+        """Serve ``served`` (HF-named tensors in the served dtype) from the next generate on, in place; a quantized
+        engine serves them quantized (``engines.vllm.reload``)."""
+        if self.scheme is not None:
+            from roundalign.engines.vllm.reload import reload
+
+            with failure.guard("load_weights", RESUME):
+                reload(self.llm, served, self.scheme)
+            return
         weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
         with failure.guard("load_weights", RESUME):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
