@@ -7,7 +7,8 @@ and it differs in shape: head_dim 128 (the common size of real Qwen3/Llama model
 untied embeddings. It reuses the shipped tokenizer (vocabulary 264), so the same prompts run on both.
 
 ``build_llama`` is the same idea in the other family the engine tests need: a Llama with head_dim 128 (hidden 256,
-2 query heads on 1 KV head, 3 layers), random with the same init and LM-head scale.
+2 query heads on 1 KV head, 3 layers), random with the same init and LM-head scale; ``build_qwen2`` a Qwen2 with
+q/k/v biases (head_dim 64, 2 layers), for the quantized layers' bias epilogue.
 
     python tests/wide_model.py OUT_DIR [--llama]      # build it (deterministic: seed 0), as the tests do
 """
@@ -30,21 +31,30 @@ INIT_STD = 0.02
 LOGIT_SCALE = 12.0
 
 
+def _build(out: str | Path, config_class, model_class, prepare=None, **config) -> Path:
+    """A random model of ``config`` (seed ``SEED``, HF's init at ``INIT_STD``), ``prepare``d, saved by ``_save`` into
+    ``out`` unless it is there already; returns ``out``."""
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    common = dict(vocab_size=264, tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(SEED)
+    model = model_class(config_class(**common, **config))
+    if prepare is not None:
+        prepare(model)
+    return _save(model, out)
+
+
 def build(out: str | Path) -> Path:
     """Write the model (bf16 safetensors, config, the shipped tokenizer) into ``out``; returns ``out``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out = Path(out)
-    if (out / "model.safetensors").is_file():
-        return out
-    config = Qwen3Config(
-        vocab_size=264, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, max_position_embeddings=512, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
+    return _build(
+        out, Qwen3Config, Qwen3ForCausalLM, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     )  # fmt: skip
-    torch.manual_seed(SEED)
-    return _save(Qwen3ForCausalLM(config), out)
 
 
 def _save(model, out: Path) -> Path:
@@ -68,37 +78,28 @@ def build_llama(out: str | Path) -> Path:
     """A random Llama (head_dim 128) in ``out``, like ``build``; returns ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(out)
-    if (out / "model.safetensors").is_file():
-        return out
-    config = LlamaConfig(
-        vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=512, rope_theta=500_000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    return _build(
+        out, LlamaConfig, LlamaForCausalLM, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=512,
+        rope_theta=500_000.0, rms_norm_eps=1e-5,
     )  # fmt: skip
-    torch.manual_seed(SEED)
-    return _save(LlamaForCausalLM(config), out)
 
 
 def build_qwen2(out: str | Path) -> Path:
     """A random Qwen2 (biases on q/k/v, head_dim 64) in ``out``, like ``build``; returns ``out``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = Path(out)
-    if (out / "model.safetensors").is_file():
-        return out
-    config = Qwen2Config(
-        vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, initializer_range=INIT_STD, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    def biases(model) -> None:  # biases that matter (HF initializes them to zero)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0, 0.5)
+
+    return _build(
+        out, Qwen2Config, Qwen2ForCausalLM, biases, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
     )  # fmt: skip
-    torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # biases that matter (HF initializes them to zero)
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.normal_(0, 0.5)
-    return _save(model, out)
 
 
 if __name__ == "__main__":
