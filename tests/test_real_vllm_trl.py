@@ -8,7 +8,9 @@ in the engine's Python (vLLM and TRL there). What is asserted, against the sampl
 - with the policy patched with the build's ``-kernels`` profile, every log-prob TRL computes, its recompute
   (``old_per_token_logps``) and the loss's forward alike, equals the sampler's bit for bit at every step, and TRL's
   IS ratio is exactly 1, ``rollout_corr/k3_kl`` exactly 0, although the policy moves (and is synced) every step;
-- with a stock HF policy on the same vLLM, neither holds.
+- with a stock HF policy on the same vLLM, neither holds;
+- both again with vLLM serving W8A8 int8 (``VllmRolloutFunc(quantization="w8a8-int8")``, re-quantized and reloaded
+  at every sync), the exact policy computing the scheme with vLLM's own quantized layers.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import torch
 SCRIPT = Path(__file__).with_name("trl_vllm_train.py")
 
 
-@pytest.fixture(scope="module")
-def runs(engine_python, tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, "w8a8-int8"], ids=["bf16", "w8a8-int8"])
+def runs(request, engine_python, tmp_path_factory):
+    """The two runs on a bf16 vLLM, and on a vLLM serving W8A8 int8 (re-quantized at every sync)."""
     out = tmp_path_factory.mktemp("trl-vllm") / "runs.pt"
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    done = subprocess.run(
-        [engine_python, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=900, env=os.environ | env
-    )
+    argv = [engine_python, str(SCRIPT), str(out), *([request.param] if request.param else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=os.environ | env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -42,7 +44,8 @@ def _row_of(completion, completions, mask) -> int:
 
 def test_exact_policy_is_the_samplers_logprobs_at_every_step(runs):
     run = runs["exact"]
-    assert runs["trainer_profile"].startswith("vllm-0.32-cpu-eager") and runs["trainer_profile"].endswith("-kernels")
+    profile, _, scheme = runs["trainer_profile"].partition("+quantization=")
+    assert profile.startswith("vllm-0.32-cpu-eager") and profile.endswith("-kernels") and scheme in ("", "w8a8-int8")
     assert len(run["batches"]) == len(run["logs"]) == 3 and run["syncs"] == 4  # attach + one per step
     assert len(run["scored"]) == 6  # per step: TRL's recompute, then the loss's forward
     for i, (batch, log) in enumerate(zip(run["batches"], run["logs"], strict=True)):

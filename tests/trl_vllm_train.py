@@ -1,6 +1,6 @@
 """The TRL side of tests/test_real_vllm_trl.py, run in the engine's Python (vLLM and TRL 1.16 installed there).
 
-    python tests/trl_vllm_train.py OUT.pt
+    python tests/trl_vllm_train.py OUT.pt [SCHEME]
 
 TRL's ``GRPOTrainer`` on the shipped tiny-qwen3 (fp32 parameters, ``bf16=True`` autocast: TRL's usual setup),
 sampling with the real vLLM in ``enforce_eager`` mode through ``VllmRolloutFunc``, RNE sync after every step. One
@@ -8,6 +8,7 @@ vLLM serves two runs: a stock HF policy (2 steps), then the policy patched with 
 (3 steps). Writes, per generation batch of each run: the sampler's log-probs as TRL holds them
 (``sampling_per_token_logps``), TRL's recompute (``old_per_token_logps``), the loss forward's log-probs with the
 completions they belong to (TRL shuffles the batch before the loss), the masks, the IS ratio and the step's logs.
+With SCHEME, vLLM serves a quantized copy in that scheme (docs/quantization.md), and the exact policy computes it.
 """
 
 from __future__ import annotations
@@ -52,15 +53,15 @@ def run(rollout: VllmRolloutFunc, out: str, steps: int, profile: str | None) -> 
     return {"batches": batches, "scored": scored, "logs": trl_setup.step_logs(trainer), "syncs": rollout.syncs}
 
 
-def main(out: str) -> None:
+def main(out: str, quantization: str | None = None) -> None:
     torch.manual_seed(0)
     model_dir = models.path("tiny-qwen3")
-    stock = VllmRolloutFunc(model_dir, enforce_eager=True, seed=3)
+    stock = VllmRolloutFunc(model_dir, enforce_eager=True, seed=3, quantization=quantization)
     result = {"trainer_profile": stock.trainer_profile, "stock": run(stock, out + ".stock", 2, None)}
-    exact = VllmRolloutFunc(model_dir, enforce_eager=True, seed=3, engine=stock.vllm)  # the same vLLM
+    exact = VllmRolloutFunc(model_dir, enforce_eager=True, seed=3, engine=stock.vllm, quantization=quantization)
     result["exact"] = run(exact, out + ".exact", 3, exact.trainer_profile)
     torch.save(result, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -46,6 +46,9 @@ class VllmRolloutFunc(EngineRolloutFunc):
         sync, seed, attribution_every, attribution_base, track_updates, lag_window: as ``EngineRolloutFunc``.
         engine: an already started ``roundalign.engines.vllm.inprocess.VllmEngine`` on ``model_dir`` to reuse (one
             vLLM per process is what fits in memory); by default one is started here.
+        quantization: vLLM serves a quantized copy in this scheme (``w8a8-int8``, ``fp8``, ``w4a16``, ...;
+            docs/quantization.md): the checkpoint written to ``served_dir`` (default: a new temporary directory),
+            quantized again from the exported weights at every sync; ``trainer_profile`` then computes it too.
 
     ``trainer_profile`` is the profile that makes the policy exact against this build (its ``-kernels`` profile);
     ``engine_profile`` (the metrics' target) is the same.
@@ -63,11 +66,15 @@ class VllmRolloutFunc(EngineRolloutFunc):
         track_updates: bool = True,
         lag_window: int = 256,
         engine=None,
+        quantization: str | None = None,
+        served_dir: str | Path | None = None,
     ) -> None:
         from roundalign.engines.vllm.inprocess import VllmEngine
         from roundalign.engines.vllm.profile import trainer_profile
 
-        self.trainer_profile = trainer_profile(enforce_eager)
+        self.trainer_profile = trainer_profile(enforce_eager) + (
+            f"+quantization={quantization}" if quantization else ""
+        )
         super().__init__(
             self.trainer_profile,
             sync=sync,
@@ -78,13 +85,26 @@ class VllmRolloutFunc(EngineRolloutFunc):
             lag_window=lag_window,
         )
         self.model_dir, self.enforce_eager = Path(model_dir), bool(enforce_eager)
-        if engine is not None and (engine.model_dir, engine.info["enforce_eager"]) != (self.model_dir, enforce_eager):
+        served = None if engine is None or engine.scheme is None else str(engine.scheme)
+        if engine is not None and (engine.model_dir, engine.info["enforce_eager"], served) != (
+            self.model_dir,
+            enforce_eager,
+            quantization,
+        ):
             raise ValueError(
-                f"engine= runs {engine.model_dir} (enforce_eager={engine.info.get('enforce_eager')}); this rollout "
-                f"asks for {self.model_dir} (enforce_eager={enforce_eager}): pass a matching engine or none"
+                f"engine= runs {engine.model_dir} (enforce_eager={engine.info.get('enforce_eager')}, quantization="
+                f"{served}); this rollout asks for {self.model_dir} (enforce_eager={enforce_eager}, quantization="
+                f"{quantization}): pass a matching engine or none"
             )
         if engine is None:
-            engine = VllmEngine(self.model_dir, enforce_eager=self.enforce_eager, seed=seed, dtype=torch.bfloat16)
+            if quantization and served_dir is None:
+                import tempfile
+
+                served_dir = Path(tempfile.mkdtemp(prefix="roundalign-served-")) / "served-model"
+            engine = VllmEngine(
+                self.model_dir, enforce_eager=self.enforce_eager, seed=seed, dtype=torch.bfloat16,
+                quantization=quantization, served_dir=served_dir,
+            )  # fmt: skip
         self.vllm = engine
         self.exporter = Exporter(sync, seed=seed, dtype=torch.bfloat16)
 
