@@ -39,7 +39,7 @@ from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
-from roundalign.quant.grid import fp8_linear, int8_linear, quantize_weight
+from roundalign.quant.grid import activation_gemm, quantize_weight
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -117,9 +117,9 @@ class KernelsModel:
             q = quantize_weight(w, self.quant)
             hit = self._quantized[id(w)] = (w._version, q, q.dequantize(w.dtype))
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
-        if self.quant.weight_only:
+        gemm = activation_gemm(self.quant)
+        if gemm is None:  # weight-only
             return linear(x, hit[2], lin.bias, rows)
-        gemm = int8_linear if self.quant.activations == "int8-token" else fp8_linear
         return torch.cat([gemm(x[start : start + n], hit[1], lin.bias) for start, n in rows])
 
     def _attention(self, i: int, a, h: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:

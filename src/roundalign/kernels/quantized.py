@@ -29,27 +29,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from roundalign.errors import UserError
 from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, fused_parts
 from roundalign.profiles import GemmKernel
-from roundalign.quant.grid import Quantized, fp8_linear, int8_linear, quantize_weight
+from roundalign.quant.grid import Quantized, activation_gemm, quantize_weight
 from roundalign.quant.schemes import Scheme
 
 
-def _run(scheme: Scheme, gemm: GemmKernel, parts: list[Quantized], dequantized, bias):
-    """The forward for the fused served ``parts``: ``x (rows, in) -> (rows, out)``."""
+def _run(scheme: Scheme, gemm: GemmKernel, parts: list[Quantized], fused: Quantized, dequantized, bias):
+    """The forward for the served ``parts`` (``fused``: their rows together): ``x (rows, in) -> (rows, out)``."""
     if gemm is GemmKernel.VLLM_CPU:
         from roundalign.kernels import vllm_quant
 
         return vllm_quant.linear(scheme, parts, bias, dequantized.dtype)
-    if scheme.activations in ("int8-token", "fp8-token"):
-        fused = Quantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None)
-        gemm_of = int8_linear if scheme.activations == "int8-token" else fp8_linear
-        run = lambda x: gemm_of(x, fused, bias)  # noqa: E731
-    elif scheme.weight_only:
+    gemm_of = activation_gemm(scheme)
+    if gemm_of is None:  # weight-only: the dequantized weight in a 16-bit GEMM
         run = lambda x: F.linear(x, dequantized, bias)  # noqa: E731
     else:
-        raise UserError(f"quantization {scheme}: no trainer computation for it here")
+        run = lambda x: gemm_of(x, fused, bias)  # noqa: E731
     if gemm is GemmKernel.REFERENCE:  # one call per row, as the reference engine's decode
         return lambda x: torch.cat([run(x[i : i + 1]) for i in range(x.shape[0])])
     return run
@@ -74,9 +70,11 @@ def _served(module, key: str, weights, biases, scheme: Scheme, gemm: GemmKernel)
             source = _concat(weights, old[1])
             bias = _concat(biases, old[2]) if biases else None
             parts = [quantize_weight(w, scheme) for w in weights]
-            dequantized = torch.cat([p.dequantize(weights[0].dtype) for p in parts])
+            fused = Quantized.cat(parts)
+            dequantized = fused.dequantize(weights[0].dtype)
         del old
-        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, _run(scheme, gemm, parts, dequantized, bias))
+        run = _run(scheme, gemm, parts, fused, dequantized, bias)
+        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, run)
     return hit[3], hit[4]
 
 

@@ -6,7 +6,8 @@ CPUs, its fused ``int8_scaled_mm_with_quant``) or the 4-bit W4A16 kernel (``CPUW
 ``cpu_gemm_wna16``). Which one, and with which ISA, vLLM decides per CPU and shape. So the trainer does not call
 the ops itself: it creates vLLM's own scheme object (``CompressedTensorsW8A8Int8`` / ``CompressedTensorsWNA16``),
 lets it create its parameters on a stand-in module, fills them with the served tensors in the checkpoint's layout
-(as vLLM's weight loader does for a fused q/k/v or gate/up: the parts' rows one after the other), runs its
+(``quant.checkpoint.tensors`` of the parts' rows one after the other, as vLLM's weight loader fills a fused q/k/v or
+gate/up), runs its
 ``process_weights_after_loading`` (packing, oneDNN handles) and calls its ``apply_weights``: whatever vLLM would
 compute on this CPU. Read against vLLM 0.32 (``compressed_tensors/schemes``, ``kernels/linear/scaled_mm/cpu.py``,
 ``kernels/linear/mixed_precision/cpu.py``).
@@ -21,7 +22,8 @@ import torch
 
 from roundalign.errors import UserError
 from roundalign.kernels import vllm_cpu
-from roundalign.quant.grid import Quantized, pack_int4
+from roundalign.quant import checkpoint
+from roundalign.quant.grid import Quantized
 from roundalign.quant.schemes import Scheme
 
 
@@ -107,17 +109,9 @@ def _layer(scheme: Scheme, parts: list[Quantized], bias: torch.Tensor | None, dt
             stand_in, output_partition_sizes=widths, input_size_per_partition=inputs, output_size=sum(widths),
             input_size=inputs, params_dtype=dtype, weight_loader=_load,
         )  # fmt: skip
-    codes = torch.cat([p.codes for p in parts])
-    scale = torch.cat([p.scale for p in parts])
-    with torch.no_grad():
-        if scheme.weights in ("int8", "fp8"):
-            stand_in.weight.copy_(codes)
-            stand_in.weight_scale.copy_(scale.float())
-        else:
-            stand_in.weight_packed.copy_(pack_int4(codes, dim=1))
-            stand_in.weight_scale.copy_(scale.to(dtype))
-            if not scheme.symmetric:
-                stand_in.weight_zero_point.copy_(pack_int4(torch.cat([p.zero_point for p in parts]), dim=0))
+    with torch.no_grad():  # the fused layer's checkpoint tensors, each into vLLM's parameter of that name
+        for name, tensor in checkpoint.tensors("layer", Quantized.cat(parts), scheme).items():
+            getattr(stand_in, name.removeprefix("layer.")).copy_(tensor)
     bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
     stand_in.register_parameter("bias", bias)
     method.process_weights_after_loading(stand_in)

@@ -68,8 +68,13 @@ def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme) -> 
 
 
 def served_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme, quantized: tuple | None = None) -> dict:
-    """The checkpoint's tensors for a model's (HF-named) state dict: quantized linears, the rest in bf16.
+    """What the engine loads for a model's (HF-named) state dict: the checkpoint's tensors (quantized linears, the
+    rest in bf16), or for a scheme vLLM quantizes itself at load (``fp8-online``) the bf16 copy it quantizes.
     ``quantized``: ``quantize_state_dict``'s result where the caller has it already."""
+    if scheme.online:
+        return {
+            k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach() for k, v in state_dict.items()
+        }
     linears, rest = quantized if quantized is not None else quantize_state_dict(state_dict, scheme)
     out = dict(rest)
     for module, q in linears.items():
@@ -94,8 +99,8 @@ def write(model_dir: str | Path, out_dir: str | Path, scheme: Scheme, state_dict
         if not files:
             raise MissingFile(f"{model_dir}: no *.safetensors weights to quantize")
         state_dict = {k: v for f in files for k, v in load_file(str(f)).items()}
+    config = {**config, "quantization_config": scheme.compressed_tensors_config()}  # an online scheme refuses here
     served = served_state_dict(state_dict, scheme)
-    config = {**config, "quantization_config": scheme.compressed_tensors_config()}
 
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -110,7 +115,7 @@ def write(model_dir: str | Path, out_dir: str | Path, scheme: Scheme, state_dict
             if (
                 f.is_file()
                 and f.suffix not in _WEIGHT_FILES
-                and f.name not in ("config.json",)
+                and f.name != "config.json"
                 and not f.name.endswith(".index.json")
             ):
                 shutil.copyfile(f, tmp / f.name)

@@ -50,13 +50,17 @@ class Quantized:
             codes = codes - self.zero_point.float()[..., None]
         return (codes * self.scale.float()[..., None]).view(self.codes.shape).to(dtype)
 
+    @classmethod
+    def cat(cls, parts: list[Quantized]) -> Quantized:
+        """Projections fused as the engine fuses them (q/k/v, gate/up): their rows one after the other."""
+        zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero)
+
 
 def _groups(scheme: Scheme, w: torch.Tensor) -> torch.Tensor:
-    """``w`` as ``(out, groups, per group)``."""
+    """``w`` as ``(out, groups, per group)``: one group per row under ``channel``."""
     out, inp = w.shape
     size = scheme.group_size if scheme.strategy == "group" else inp
-    if scheme.strategy == "tensor":
-        return w.reshape(1, 1, -1)
     return w.reshape(out, inp // size, size)
 
 
@@ -97,11 +101,7 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Qu
         zp = torch.round(torch.clamp(lo - mn / scale, lo, hi))
         scaled = scaled + zp[..., None]
     codes = _to_grid(torch.clamp(scaled, lo, hi), scheme).reshape(w.shape)
-    zp = None if zp is None else zp.to(torch.int8)
-    scale = scale.to(torch.bfloat16)
-    if scheme.strategy == "tensor":
-        scale, zp = scale.expand(w.shape[0], 1), None if zp is None else zp.expand(w.shape[0], 1)
-    return Quantized(codes, scale, zp)
+    return Quantized(codes, scale.to(torch.bfloat16), None if zp is None else zp.to(torch.int8))
 
 
 def _online_fp8(w: torch.Tensor) -> Quantized:
@@ -161,6 +161,12 @@ def fp8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = N
     return out.to(x.dtype)
 
 
+def activation_gemm(scheme: Scheme):
+    """The layer of a scheme that quantizes activations (``int8_linear``, ``fp8_linear``: ``(x, Quantized, bias)``),
+    or None for a weight-only scheme, which multiplies by the dequantized weight."""
+    return {"int8-token": int8_linear, "fp8-token": fp8_linear, "none": None}[scheme.activations]
+
+
 def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     """compressed-tensors' ``pack-quantized`` packing: signed 4-bit ``values`` shifted to ``[0, 15]`` (``+ 8``), eight
     to an ``int32`` along ``dim``, the first in the lowest four bits."""
@@ -182,6 +188,7 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 __all__ = [
     "FP8_MAX",
+    "activation_gemm",
     "FP8_MIN_SCALE",
     "Quantized",
     "fp8_linear",

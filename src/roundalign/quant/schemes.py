@@ -4,8 +4,8 @@ A team that samples from a quantized copy of the policy names its scheme in the 
 (``Profile.quantization``), beside the rounding rules and kernels: ``apply``, ``probe``, ``dump`` and the
 integrations then all carry it. A scheme says what the engine serves for every linear layer but the lm_head:
 
-- the weight grid (``int8``, ``int4``, ``fp8``: E4M3), its granularity (per output ``channel``, per ``group`` of
-  ``group_size`` inputs, or one scale per ``tensor``) and whether it has zero points (``symmetric``);
+- the weight grid (``int8``, ``int4``, ``fp8``: E4M3), its granularity (per output ``channel``, or per ``group`` of
+  ``group_size`` inputs) and whether it has zero points (``symmetric``);
 - how the engine quantizes activations at run time (``activations``): not at all (weight-only, bf16 activations,
   dequantized weights), or dynamically per token (one scale per row, computed from the row's absolute maximum).
 
@@ -27,7 +27,6 @@ from roundalign.errors import UserError
 # The linear layers a dense decoder serves quantized (compressed-tensors' targets ["Linear"], ignore ["lm_head"]).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT_GRIDS = {"int8": (-128, 127), "int4": (-8, 7), "fp8": (-448.0, 448.0)}  # (lowest, highest) code
-ACTIVATIONS = ("none", "int8-token", "fp8-token")
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Scheme:
 
     name: str
     weights: str = "bf16"  # "bf16" (no quantization), or a key of WEIGHT_GRIDS
-    strategy: str = "channel"  # "channel", "group" or "tensor": one scale per output row, per group, or one
+    strategy: str = "channel"  # "channel" or "group": one scale per output row, or per group of its inputs
     group_size: int | None = None  # inputs per scale under "group"
     symmetric: bool = True  # False: a zero point per scale (codes shifted by it)
     activations: str = "none"  # "none" (bf16 activations), "int8-token" or "fp8-token" (dynamic, one scale per row)

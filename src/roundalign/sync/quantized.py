@@ -21,9 +21,7 @@ from roundalign.quant.schemes import Scheme
 def export_quantized(master: dict[str, torch.Tensor], scheme: str | Scheme) -> dict[str, torch.Tensor]:
     """The checkpoint tensors the engine serves for ``master`` (HF-named, fp32 or bf16) in ``scheme``; for a scheme
     vLLM quantizes itself at load (``fp8-online``), the bf16 copy it loads."""
-    scheme = Scheme.parse(scheme)
-    served = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach() for k, v in master.items()}
-    return served if scheme.online else checkpoint.served_state_dict(served, scheme)
+    return checkpoint.served_state_dict(master, Scheme.parse(scheme))  # quantizes the RNE bf16 cast
 
 
 def write_quantized(
@@ -31,11 +29,7 @@ def write_quantized(
 ) -> Path:
     """A compressed-tensors checkpoint of ``master`` (default: ``model_dir``'s weights) in ``scheme``, with
     ``model_dir``'s config and tokenizer, for ``vllm.LLM(out_dir)``."""
-    scheme = Scheme.parse(scheme)
-    served = None
-    if master is not None:
-        served = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach() for k, v in master.items()}
-    return checkpoint.write(model_dir, out_dir, scheme, state_dict=served)
+    return checkpoint.write(model_dir, out_dir, Scheme.parse(scheme), state_dict=master)
 
 
 __all__ = ["export_quantized", "write_quantized"]

@@ -54,8 +54,8 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     if scheme.online:
         # vLLM quantizes what it loads (its online method's post-load processing, re-run by its reload), from the
         # bf16 weights: tests/test_quant_vllm.py checks that it serves what a fresh engine serves.
-        bf16 = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(bf16.items())})
+        served = checkpoint.served_state_dict(state_dict, scheme)  # the bf16 copy
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
         llm.reset_prefix_cache()
         return
     linears, rest = checkpoint.quantize_state_dict(state_dict, scheme)
