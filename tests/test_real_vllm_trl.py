@@ -58,7 +58,10 @@ def test_exact_policy_is_the_samplers_logprobs_at_every_step(runs):
             assert torch.equal(logps[mask[rows]], sampler[rows][mask[rows]])
         assert bool((batch["is"] == 1).all())
         assert log["rollout_corr/k3_kl"] == 0 and log["mismatch/bitwise_equal_frac"] == 1
-        assert log["sync/visible_fraction"] > 0  # the policy moved, and the sync carried it into vLLM
+    # The policy moved and the sync carried it into vLLM, so later steps were exact on updated weights. Not every
+    # step: a batch whose rewards are all equal has no gradient, and which batches those are depends on the CPU's
+    # numerics (seen with the dispatch limited to AVX2).
+    assert any(log["sync/visible_fraction"] > 0 for log in run["logs"][:-1])
 
 
 def test_stock_policy_is_not(runs):
