@@ -1,10 +1,13 @@
 """The in-place reload of a quantized vLLM, for tests/test_quant_vllm.py. Runs in the engine's Python.
 
-    python tests/quant_reload.py MODEL_DIR SCHEME WORK_DIR
+    python tests/quant_reload.py MODEL_DIR SCHEME WORK_DIR [SYNC]
 
 Starts vLLM on MODEL_DIR's weights served in SCHEME, reloads it in place with perturbed weights
 (``engines.vllm.reload``), then with the original ones again, and writes to WORK_DIR/reload.json the prefill
 log-probs of two sequences after each step, beside those of a fresh engine started on the perturbed checkpoint.
+With SYNC (``stochastic`` or ``error-feedback``) the perturbed weights are an fp32 master exported onto the grid
+by that mode (``roundalign.sync.Exporter``): the reload is given the checkpoint's tensors, whose codes differ from
+the round-to-nearest ones (``codes_differ``), and the fresh engine loads the checkpoint written from them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 
-def main(model_dir: str, scheme_name: str, work: str) -> None:
+def main(model_dir: str, scheme_name: str, work: str, sync: str = "") -> None:
     for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         os.environ.setdefault(key, value)
     from safetensors.torch import load_file
@@ -39,6 +42,14 @@ def main(model_dir: str, scheme_name: str, work: str) -> None:
         for name, weights in (("first", source), ("moved", moved)):
             shutil.copytree(model_dir, work / name)
             save_file({k: v.contiguous() for k, v in weights.items()}, str(work / name / "model.safetensors"))
+    elif sync:
+        from roundalign.sync import Exporter
+
+        master = {k: v.float() * (1 + 1e-3 * torch.randn(v.shape, generator=g)) for k, v in source.items()}
+        moved = Exporter(sync, seed=3, scheme=scheme).export(master)  # the checkpoint's tensors, codes chosen
+        nearest = checkpoint.served_state_dict(master, scheme)
+        checkpoint.write(model_dir, work / "first", scheme)
+        checkpoint.write(model_dir, work / "moved", scheme, state_dict=moved)
     else:
         checkpoint.write(model_dir, work / "first", scheme)
         checkpoint.write(model_dir, work / "moved", scheme, state_dict=moved)
@@ -64,8 +75,10 @@ def main(model_dir: str, scheme_name: str, work: str) -> None:
     result["back"] = logprobs(llm)
     del llm
     result["fresh"] = logprobs(start(work / "moved"))
+    if sync:
+        result["codes_differ"] = any(not torch.equal(moved[k], nearest[k]) for k in moved)
     (work / "reload.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -306,8 +306,32 @@ class Engine:
         """Replace the served copy from HF-named tensors (fp32 master, bf16 or fp16), rounding to the engine's dtype
         by the sync mode ``sync`` (``"rne"``, or ``"stochastic"`` / ``"error-feedback"`` on fp32 masters, with state
         kept by the engine per (sync, seed): docs/sync.md); a weight that overflows the dtype (fp16: beyond 65504) is a
-        ValueError. In place: a compiled graph keeps running without a recompile."""
-        self.weights.load(state_dict, sync, seed)
+        ValueError. In place: a compiled graph keeps running without a recompile.
+
+        A quantized engine (a profile with a checkpoint scheme) also takes the tensors of its quantized checkpoint
+        (``roundalign.sync.Exporter(..., scheme=)``'s export, ``quant.checkpoint.served_state_dict``): it then serves
+        exactly those codes, as vLLM serves the checkpoint, instead of quantizing the weights again."""
+        scheme = self.profile.quantization
+        if not (scheme.quantized and not scheme.online and isinstance(state_dict, dict)):
+            self.weights.load(state_dict, sync, seed)
+            return
+        if not any(isinstance(k, str) and k.endswith(".weight_scale") for k in state_dict):
+            self.weights.load(state_dict, sync, seed)
+            return
+        from roundalign.quant import checkpoint
+        from roundalign.quant.grid import serve
+
+        if sync != "rne":
+            raise UserError(
+                f"load_weights got a quantized checkpoint's tensors with sync={sync!r}: they are exported already "
+                "(the codes are chosen); pass sync='rne', or pass the fp32 master to have the engine export it"
+            )
+        linears, rest = checkpoint.split(state_dict, scheme)
+        weights = {f"{name}.weight": q.dequantize(self.weights.dtype) for name, q in linears.items()}
+        self.weights.load({**rest, **weights})
+        expected = self.weights.expected()
+        for name, q in linears.items():
+            serve(expected[f"{name}.weight"], q)  # after the copy: its version is the one served
 
     # ----------------------------------------------------------------------------------------------------------
     # input checks

@@ -39,7 +39,7 @@ from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
-from roundalign.quant.grid import activation_gemm, quantize_weight
+from roundalign.quant.grid import activation_gemm, served_codes
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
 # The engine calls them directly, without the op dispatch that only torch.compile (opacity)
@@ -84,7 +84,8 @@ class KernelsModel:
         # sequence), so that a row's bits never depend on how many rows its call had (docs/kernels.md).
         self.rowwise_gemm = profile.gemm is GemmKernel.REFERENCE
         # A quantized engine serves every linear but the lm_head on its scheme's grid (roundalign.quant), quantized
-        # from the served bf16 weights at load and again after every load_weights (which bumps their version).
+        # from the served bf16 weights at load and again after every load_weights (which bumps their version), or
+        # the codes load_weights was given (a quantized checkpoint's tensors: quant.grid.serve).
         self.quant = profile.quantization if profile.quantization.quantized else None
         self._quantized = {}  # id(weight) -> (its version, Quantized, dequantized weight)
         rope = profile.rope_for(self.head_dim)
@@ -113,9 +114,14 @@ class KernelsModel:
         dequantized weight; one call per sequence (or row), as every GEMM here."""
         w = lin.weight
         hit = self._quantized.get(id(w))
-        if hit is None or hit[0] != w._version:
-            q = quantize_weight(w, self.quant)
-            hit = self._quantized[id(w)] = (w._version, q, q.dequantize(w.dtype))
+        if hit is None or hit[0] != w._version or hit[3] is not getattr(w, "_roundalign_served", None):
+            q = served_codes(w, self.quant)[0]  # the codes load_weights was given, or w quantized
+            hit = self._quantized[id(w)] = (
+                w._version,
+                q,
+                q.dequantize(w.dtype),
+                getattr(w, "_roundalign_served", None),
+            )
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
         gemm = activation_gemm(self.quant)
         if gemm is None:  # weight-only

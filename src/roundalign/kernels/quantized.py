@@ -21,7 +21,9 @@ uses (Bengio et al. 2013; QAT in torchao and llm-compressor); docs/quantization.
 promise.
 
 The served copy is kept on the module while its weights hold the same bits, as the engine keeps it between syncs;
-a change of the weights (an optimizer step) quantizes and prepares it again.
+a change of the weights (an optimizer step) quantizes and prepares it again. Where an export chose the codes
+(stochastic rounding or error feedback onto the grid, ``roundalign.sync``) and the trainer computes on the served
+copy, the codes it gave the weights (``quant.grid.serve``) are the ones served.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, fused_parts
 from roundalign.profiles import GemmKernel
-from roundalign.quant.grid import Quantized, activation_gemm, quantize_weight
+from roundalign.quant.grid import Quantized, activation_gemm, served_codes
 from roundalign.quant.schemes import Scheme
 
 
@@ -56,25 +58,27 @@ def _served(module, key: str, weights, biases, scheme: Scheme, gemm: GemmKernel)
     they hold the same bits (quantized and prepared again after any change)."""
     cache = module.__dict__.setdefault("_roundalign_quant_cache", {})
     hit = cache.get(key)
+    given = [getattr(w, "_roundalign_served", None) for w in weights]  # codes an export chose (quant.grid.serve)
     fresh = (
         hit is not None
         and hit[0] == (scheme, gemm)
         and _holds(hit[1], weights)
         and (hit[2] is None) == (not biases)
         and (not biases or _holds(hit[2], biases))
+        and all(a is b for a, b in zip(hit[5], given, strict=True))
     )
     if not fresh:
-        old = cache.pop(key, (None, None, None, None, None))
+        old = cache.pop(key, (None, None, None, None, None, None))
         del hit
         with torch.no_grad():
             source = _concat(weights, old[1])
             bias = _concat(biases, old[2]) if biases else None
-            parts = [quantize_weight(w, scheme) for w in weights]
+            parts = [served_codes(w, scheme)[0] for w in weights]
             fused = Quantized.cat(parts)
             dequantized = fused.dequantize(weights[0].dtype)
         del old
         run = _run(scheme, gemm, parts, fused, dequantized, bias)
-        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, run)
+        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, run, given)
     return hit[3], hit[4]
 
 

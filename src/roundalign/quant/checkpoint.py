@@ -70,7 +70,10 @@ def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme) -> 
 def served_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme, quantized: tuple | None = None) -> dict:
     """What the engine loads for a model's (HF-named) state dict: the checkpoint's tensors (quantized linears, the
     rest in bf16), or for a scheme vLLM quantizes itself at load (``fp8-online``) the bf16 copy it quantizes.
-    ``quantized``: ``quantize_state_dict``'s result where the caller has it already."""
+    ``quantized``: ``quantize_state_dict``'s result where the caller has it already. A state dict that already is
+    a checkpoint's tensors (an export's: ``roundalign.sync.Exporter(..., scheme=)``) is returned as it is."""
+    if not scheme.online and any(k.endswith(".weight_scale") for k in state_dict):
+        return {k: v.contiguous() for k, v in state_dict.items()}
     if scheme.online:
         return {
             k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach() for k, v in state_dict.items()
@@ -85,7 +88,8 @@ def served_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme, quant
 def write(model_dir: str | Path, out_dir: str | Path, scheme: Scheme, state_dict: dict | None = None) -> Path:
     """A compressed-tensors checkpoint of ``model_dir``'s model (or of ``state_dict``, HF-named, with
     ``model_dir``'s config and tokenizer) in ``scheme``, at ``out_dir``: written beside it and moved into place
-    whole, replacing a served copy written there before."""
+    whole, replacing a served copy written there before. ``state_dict`` may be the checkpoint's tensors already
+    (an export onto the grid), which are written as they are."""
     from safetensors.torch import load_file, save_file
 
     model_dir = Path(model_dir)
@@ -139,22 +143,35 @@ def read(checkpoint_dir: str | Path) -> tuple[Scheme, dict[str, Quantized]]:
         raise UserError(f"{checkpoint_dir} is not a quantized checkpoint (its config.json has no quantization_config)")
     scheme = from_compressed_tensors(config["quantization_config"])
     state = {k: v for f in sorted(checkpoint_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-    out = {}
-    for key in state:
+    return scheme, split(state, scheme)[0]
+
+
+def split(served: dict[str, torch.Tensor], scheme: Scheme) -> tuple[dict[str, Quantized], dict[str, torch.Tensor]]:
+    """A checkpoint's tensors (``served_state_dict``'s, or a file's) as ``({linear name: Quantized}, {name: the
+    rest})``: ``served_state_dict``'s inverse."""
+    linears, used = {}, set()
+    for key in served:
         if not key.endswith(".weight_scale"):
             continue
         name = key.removesuffix(".weight_scale")
-        scale = state[key].to(torch.bfloat16)
+        scale = served[key].to(torch.bfloat16)
         if scheme.weights in ("int8", "fp8"):
-            codes = state[f"{name}.weight"]
+            parts = [f"{name}.weight"]
+            codes = served[parts[0]]
         else:
-            codes = unpack_int4(state[f"{name}.weight_packed"], dim=1)[:, : int(state[f"{name}.weight_shape"][1])]
-        zp = state.get(f"{name}.weight_zero_point")
+            parts = [f"{name}.weight_packed", f"{name}.weight_shape"]
+            codes = unpack_int4(served[parts[0]], dim=1)[:, : int(served[parts[1]][1])]
+        zp = served.get(f"{name}.weight_zero_point")
         if zp is not None:
+            parts.append(f"{name}.weight_zero_point")
             zp = unpack_int4(zp, dim=0)[: codes.shape[0]]
         codes = codes if scheme.weights == "fp8" else codes.to(torch.int8)
-        out[name] = Quantized(codes, scale.view(codes.shape[0], -1), zp)
-    return scheme, out
+        linears[name] = Quantized(codes, scale.view(codes.shape[0], -1), zp)
+        used.update([key, *parts])
+    return linears, {k: v for k, v in served.items() if k not in used}
 
 
-__all__ = ["PROJECTIONS", "is_quantized_linear", "quantize_state_dict", "read", "served_state_dict", "tensors", "write"]
+__all__ = [
+    "PROJECTIONS", "is_quantized_linear", "quantize_state_dict", "read", "served_state_dict", "split", "tensors",
+    "write",
+]  # fmt: skip

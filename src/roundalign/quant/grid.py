@@ -57,6 +57,22 @@ class Quantized:
         return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero)
 
 
+def serve(weight: torch.Tensor, q: Quantized) -> None:
+    """Have ``weight`` served as ``q`` until it changes: the codes an export chose (stochastic rounding or error
+    feedback onto the grid, ``roundalign.sync``), where quantizing ``weight`` itself would give other codes. The
+    trainer's quantized layers and the reference engine read it through ``served_codes``."""
+    weight._roundalign_served = (weight._version, q)
+
+
+def served_codes(weight: torch.Tensor, scheme: Scheme) -> tuple[Quantized, bool]:
+    """``(the grid copy of weight, whether it is one given by serve)``: the codes ``serve`` gave it while its data
+    is unchanged since (an in-place change bumps the tensor's version), else ``quantize_weight(weight, scheme)``."""
+    hit = getattr(weight, "_roundalign_served", None)
+    if hit is not None and hit[0] == weight._version:
+        return hit[1], True
+    return quantize_weight(weight, scheme), False
+
+
 def _groups(scheme: Scheme, w: torch.Tensor) -> torch.Tensor:
     """``w`` as ``(out, groups, per group)``: one group per row under ``channel``."""
     out, inp = w.shape
@@ -197,5 +213,7 @@ __all__ = [
     "quantize_activations_fp8",
     "quantize_activations",
     "quantize_weight",
+    "serve",
+    "served_codes",
     "unpack_int4",
 ]

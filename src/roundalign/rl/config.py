@@ -65,7 +65,7 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "the engine serves a quantized copy in this scheme (w8a8-int8, fp8, w4a16, ...; "
-            "docs/quantization.md), re-quantized from the served bf16 copy after every step: the reference engine "
+            "docs/quantization.md), exported onto its grid by --sync after every step: the reference engine "
             "computes it, or vLLM serves the checkpoint roundalign writes (OUT/served-model) and reloads it in place; "
             "--trainer-profile engine then computes it exactly"
         },
@@ -115,7 +115,11 @@ class TrainConfig:
         },
     )
     sync: str = field(
-        default="rne", metadata={"help": "how master weights are rounded for the engine each step (default {default})"}
+        default="rne",
+        metadata={
+            "help": "how master weights are rounded for the engine each step (default {default}); with "
+            "--quantization, onto the scheme's grid"
+        },
     )
     loss_on_served: bool | None = field(
         default=None,
@@ -162,6 +166,13 @@ class TrainConfig:
     @property
     def resolved_trainer_profile(self) -> str:
         return self.engine_profile if self.trainer_profile == TRAINER_SAME_AS_ENGINE else self.trainer_profile
+
+    @property
+    def served_scheme(self):
+        """The quantization scheme the engine serves: ``--quantization``, or the engine profile's."""
+        from roundalign.quant import Scheme
+
+        return Scheme.parse(self.quantization) if self.quantization else get_profile(self.engine_profile).quantization
 
     @property
     def resolved_loss_on_served(self) -> bool:

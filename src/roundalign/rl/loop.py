@@ -46,7 +46,10 @@ from roundalign.rl.logbook import Logbook, Progress
 from roundalign.rl.objective import group_advantages, policy_loss
 from roundalign.rl.policy import NonFiniteError, Policy
 from roundalign.sync import Exporter, UpdateTracker
+from roundalign.sync.grid import served_weights
 from roundalign.tasks.arithmetic import reward
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # a checkpoint's served copy: what is cast back on resume
 
 # The prefill check logs these mismatch metrics, renamed prefill/<name>.
 PREFILL_KEYS = (
@@ -96,7 +99,8 @@ class Run:
         self.policy = Policy(self.model_dir, config)
         if self.engine.tokenizer is None:
             raise UserError(f"{str(self.model_dir)!r} has no tokenizer files; train needs one to build prompts")
-        self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype])
+        # A quantized engine is exported onto its grid by the sync mode (Fair Cast on the grid, roundalign.sync.grid).
+        self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype], scheme=config.served_scheme)
         self.tracker = UpdateTracker(lag_window=config.lag_window, seed=config.seed)
         self.task = Task(config.level, config.seed, config.eval_problems)
         self.correction = config.correction()
@@ -110,7 +114,7 @@ class Run:
         served = self.exporter.export(master)
         faults.point("export", step)
         self._serve(served)
-        return self.tracker.update(master, served)
+        return self.tracker.update(master, served_weights(served, self.config.served_scheme))
 
     def _serve(self, served: dict) -> None:
         """The engine serves ``served``; the trainer computes on it (--loss-on-served) or on the master's RNE cast."""
@@ -249,7 +253,7 @@ class Run:
         self.policy.load_state_dict(master, state["policy"])
         self.exporter.load_state_dict(state["exporter"])
         self.tracker.load_state_dict(state["tracker"])
-        self._serve({k: v.to(DTYPE[self.config.dtype]) for k, v in served.items()})
+        self._serve({k: v.to(DTYPE[self.config.dtype]) if v.dtype in _FLOATS else v for k, v in served.items()})
         return int(state["step"])
 
     def _say(self, message: str) -> None:

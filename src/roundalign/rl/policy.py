@@ -46,6 +46,7 @@ class Policy:
         self.model.config.use_cache = False
         roundalign.apply(self.model, config.resolved_trainer_profile, allow_non_bf16=self.dtype != torch.bfloat16)
         self._compute = dict(self.model.named_parameters())
+        self.scheme = config.served_scheme  # what a served copy given to set_compute_weights is quantized in
         params = list(self.master.values())
         if config.optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(
@@ -67,10 +68,25 @@ class Policy:
 
     @torch.no_grad()
     def set_compute_weights(self, served: dict[str, torch.Tensor] | None = None) -> None:
-        """The compute copy := ``served`` (loss on the served copy) or the RNE cast of the master."""
+        """The compute copy := ``served`` (loss on the served copy) or the RNE cast of the master.
+
+        ``served`` of a quantized engine is its checkpoint's tensors (``Exporter(..., scheme=)``): each quantized
+        linear then computes with exactly the served codes (``quant.grid.serve``), its compute weight set to their
+        dequantized value; everything else is copied as above."""
+        linears = {}
+        if served is not None and any(k.endswith(".weight_scale") for k in served):
+            from roundalign.quant import checkpoint
+
+            linears, served = checkpoint.split(served, self.scheme)
+            served |= {f"{name}.weight": q.dequantize(self.dtype) for name, q in linears.items()}
         for name, p in self._compute.items():
             src = served[name] if served is not None else self.master[name].detach().to(self.dtype)
             p.copy_(src)  # already 16-bit: no rounding here
+        if linears:
+            from roundalign.quant.grid import serve
+
+            for name, q in linears.items():
+                serve(self._compute[f"{name}.weight"], q)  # after the copy: its version is the one served
 
     # ----------------------------------------------------------------------------------------------------------
     # log-probs

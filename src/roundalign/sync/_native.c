@@ -142,6 +142,24 @@ void roundalign_sr_bf16(const uint32_t *restrict bits, uint16_t *restrict out, i
     sr_bf16(bits, out, n, first, k0, k1, c1, 0);
 }
 
+/* The first word (x0) of Threefry blocks first .. first + n - 1 under counter high word c1: the uniform 32-bit word
+ * of each element a stochastic export onto a quantization grid draws (grid.py compares it with p * 2^32). */
+void roundalign_words(uint32_t *restrict out, int64_t n, uint64_t first, uint32_t k0, uint32_t k1, uint32_t c1) {
+    const v8u32 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    int64_t rounds = n / (8 * U), i = 0;
+    for (int64_t q = 0; q < rounds; q++) {
+        v8u32 c0[U], x0[U], x1[U];
+        for (int u = 0; u < U; u++) c0[u] = lanes + (uint32_t)(first + (uint64_t)(8 * (U * q + u)));
+        vthreefry(k0, k1, c0, c1, x0, x1);
+        for (int u = 0; u < U; u++) memcpy(out + 8 * (U * q + u), &x0[u], sizeof x0[u]);
+    }
+    for (i = 8 * U * rounds; i < n; i++) {
+        uint32_t x0, x1;
+        threefry(k0, k1, (uint32_t)(first + (uint64_t)i), c1, &x0, &x1);
+        out[i] = x0;
+    }
+}
+
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t as_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -240,7 +258,7 @@ static inline int64_t is_small(uint32_t u) { return ((u - 1u) & 0x7FFFFFFFu) < 0
 
 /* fp16 below 2^-24 (0 < |x| < 2^-24): the neighbours are 0 and 2^-24, and p = |x| * 2^24 = M * 2^(E - 24) (M the
  * 24-bit mantissa, E <= 0) can have ~125 fraction bits. An exact Bernoulli(p): Bernoulli(M / 2^24) from the low 24
- * bits of one word, AND -E fair coin flips all 0 from the low 31 bits of four more (export.py's _bernoulli_dyadic).
+ * bits of one word, AND -E fair coin flips all 0 from the low 31 bits of four more (noise.py's bernoulli_dyadic).
  * Element g's five words: (x0, x1) of block g in streams 1 and 2, x0 in stream 3. */
 static uint16_t sr_fp16_tiny(uint32_t u, uint64_t g, uint32_t k0, uint32_t k1, uint32_t c1) {
     uint32_t w[6];

@@ -43,6 +43,8 @@ def _build() -> ctypes.CDLL:
     u32, i64, u64, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
     lib.roundalign_sr_bf16.argtypes = [ptr, ptr, i64, u64, u32, u32, u32]  # one tensor: what the tests call
     lib.roundalign_sr_bf16.restype = None
+    lib.roundalign_words.argtypes = [ptr, i64, u64, u32, u32, u32]  # grid.py's uniform words
+    lib.roundalign_words.restype = None
     lib.roundalign_sync_threads.argtypes, lib.roundalign_sync_threads.restype = [], ctypes.c_int
     for kind in _ITEMS:
         getattr(lib, f"roundalign_{kind}_runs").argtypes = [i64, ptr, ptr, i64]
@@ -134,3 +136,15 @@ def _in_threads(fn, calls: list[tuple]) -> None:
         _pool[:] = [ThreadPoolExecutor(len(calls), thread_name_prefix="roundalign-sync"), len(calls), os.getpid()]
     for _ in _pool[0].map(lambda call: fn(*call), calls):  # re-raises a call's exception here
         pass
+
+
+def words(key: tuple[int, int], c1: int, first: int, n: int) -> torch.Tensor | None:
+    """``noise.threefry2x32``'s first word of blocks ``first .. first + n - 1`` (int64 holding uint32), computed by
+    the compiled kernel; None where the kernels are unavailable (the caller computes them in torch)."""
+    lib = kernels()
+    if lib is None:
+        return None
+    out = torch.empty(n, dtype=torch.int32)
+    if n:
+        lib.roundalign_words(out.data_ptr(), n, first, key[0], key[1], c1)
+    return out.to(torch.int64) & 0xFFFFFFFF

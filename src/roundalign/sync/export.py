@@ -172,26 +172,6 @@ def _stochastic_bf16(master: torch.Tensor, state: ExportState, offset: int) -> t
     return out.reshape(master.shape)
 
 
-def _bernoulli_dyadic(y: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """One exact Bernoulli(y) draw per element of fp32 ``y`` in (0, 1), however many bits y's fraction has.
-
-    ``y = M * 2^(E - 24)`` with a 24-bit integer ``M`` (frexp), ``E <= 0``. ``Bernoulli(M / 2^24)`` and
-    ``Bernoulli(2^E)`` (``-E`` fair coin flips all coming up 0) are independent, and their AND has probability
-    ``y`` exactly. ``-E <= 124`` for fp32 inputs, so four 31-bit words cover the flips. ``draws`` holds five uniform
-    32-bit words per element (int64, shape ``(n, 5)``): the low 24 bits of the first, the low 31 of the others.
-    """
-    mantissa, exponent = torch.frexp(y)
-    m = (mantissa * 16777216.0).to(torch.int64)  # exact: mantissa has 24 significant bits
-    accept = (draws[:, 0] & 0xFFFFFF) < m
-    flips = (-exponent).to(torch.int64)  # zero bits still required
-    for j in range(1, 5):
-        take = flips.clamp(max=31)
-        word = draws[:, j] & 0x7FFFFFFF
-        accept &= (word >> (31 - take)) == 0  # the top `take` bits of the word are all zero
-        flips = flips - take
-    return accept
-
-
 _TINY, _SMALL = 0x33800000, 0x37000000  # the fp32 bits of 2^-24 and of 2^-17
 
 
@@ -225,7 +205,7 @@ def _fp16_tiny(flat: torch.Tensor, out: torch.Tensor, tiny: torch.Tensor, state:
     if not tiny.numel():
         return
     draws = noise.tiny_draws(state.key, state.step, tiny + offset)  # element g's five words (noise.py)
-    up = _bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
+    up = noise.bernoulli_dyadic(flat[tiny].abs() * 16777216.0, draws)  # exact: a power-of-two scale, no overflow
     # The sign back (also -0 for a negative value that rounds to 0); exact on the grid.
     out[tiny] = torch.copysign(torch.where(up, 2.0**-24, 0.0), flat[tiny]).to(torch.float16)
 
@@ -373,14 +353,19 @@ class Exporter:
     ``(seed, name)`` (``tensor_seed``), so the result does not depend on dict order, and the same seed gives bitwise
     the same exports. Every call must carry the same names and shapes as the first: error feedback keeps a residual
     per tensor and would lose it (or apply it to the wrong weights) if a tensor came and went.
+
+    With a quantization ``scheme`` (``"w8a8-int8"``, ...) it returns the checkpoint tensors a quantized engine
+    loads: every linear the scheme quantizes exported onto its grid by the same mode (``sync.grid``), the rest in
+    bf16. A scheme the engine quantizes itself at load (``fp8-online``) and ``"none"`` export the bf16 copy.
     """
 
-    def __init__(self, sync: str = "rne", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, sync: str = "rne", seed: int = 0, dtype: torch.dtype = torch.bfloat16, scheme=None) -> None:
         _check_sync(sync)
         _check_dtype(dtype)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.sync, self.seed, self.dtype = sync, seed, dtype
+        self.scheme = None if scheme is None else _grid_scheme(scheme, dtype)
         self.steps = 0
         self._shapes: dict[str, tuple[int, ...]] | None = None  # fixed by the first export
         self._states: dict[str, ExportState] = {}
@@ -417,11 +402,36 @@ class Exporter:
         if self._shapes is None:
             self._shapes = {name: tuple(t.shape) for name, t in master.items()}
             self._states = {name: self._new_state(name) for name in master}
-        if self.sync != "rne" and _native_ok(*master.values()):
-            served = self._export_compiled(master)
+        if self.scheme is not None:
+            served = self._export_grid(master)
         else:
-            served = {name: export_bf16(t, self.sync, self._states[name], self.dtype) for name, t in master.items()}
+            served = self._export_16(master)
         self.steps += 1
+        return served
+
+    def _export_16(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.sync != "rne" and _native_ok(*master.values()):
+            return self._export_compiled(master)
+        return {name: export_bf16(t, self.sync, self._states[name], self.dtype) for name, t in master.items()}
+
+    def _export_grid(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A quantized engine's served checkpoint tensors: every linear the scheme quantizes onto its grid by this
+        exporter's mode (``sync.grid``), the rest (embeddings, norms, lm_head, biases) as a 16-bit export."""
+        from roundalign.quant import checkpoint
+        from roundalign.sync import grid
+
+        linears = [n for n, t in master.items() if checkpoint.is_quantized_linear(n, t)]
+        for name in linears:  # every check before any state moves
+            self.scheme.check_shape(name.removesuffix(".weight"), *master[name].shape)
+            if not bool(master[name].isfinite().all()):
+                raise ValueError(
+                    f"master[{name!r}] has non-finite values: a quantized engine's scales cannot hold them; find "
+                    "where the training diverged (a checkpoint before it) before exporting"
+                )
+        served = self._export_16({n: t for n, t in master.items() if n not in set(linears)})
+        for name in linears:
+            q = grid.export_linear(master[name], self.scheme, self.sync, self._states[name])
+            served.update(checkpoint.tensors(name.removesuffix(".weight"), q, self.scheme))
         return served
 
     def _export_compiled(self, master: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -445,8 +455,8 @@ class Exporter:
                 items.append(_ef_item(t, state.residual, out, fresh))
         _native.run_many(_kind(self.sync, self.dtype), items)
         if self.sync == "stochastic":
-            for state in self._states.values():
-                state.step += 1
+            for name in master:
+                self._states[name].step += 1
         return served
 
     def state_dict(self) -> dict:
@@ -461,7 +471,7 @@ class Exporter:
         shapes = None if self._shapes is None else {name: list(shape) for name, shape in self._shapes.items()}
         return {
             "format": _STATE_FORMAT, "mode": self.sync,  # "mode": the state format's key since format 1
-            "seed": self.seed, "dtype": _dtype_name(self.dtype),
+            "seed": self.seed, "dtype": _dtype_name(self.dtype), "scheme": str(self.scheme or "none"),
             "steps": self.steps, "shapes": shapes, "residuals": residuals,
         }  # fmt: skip
 
@@ -476,7 +486,9 @@ class Exporter:
                 "served copy of the next step is then rounded afresh, with the same statistics)"
             )  # format 1 in the other modes holds nothing that changed: settings, shapes and residuals
         mine = {"mode": self.sync, "seed": self.seed, "dtype": _dtype_name(self.dtype)}
-        differ = [f"{k}={state.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if state.get(k) != v]
+        mine["scheme"] = str(self.scheme or "none")
+        given = {**state, "scheme": state.get("scheme", "none")}  # a state from before quantized export: bf16
+        differ = [f"{k}={given.get(k)!r} (this exporter: {v!r})" for k, v in mine.items() if given.get(k) != v]
         if differ:
             raise ValueError(f"state_dict is from a differently configured Exporter: {', '.join(differ)}")
         shapes = None if state["shapes"] is None else {n: tuple(s) for n, s in state["shapes"].items()}
@@ -493,6 +505,20 @@ class Exporter:
                 st.residual = residual.detach().clone()
             states[name] = st
         self._shapes, self._states, self.steps = shapes, states, steps
+
+
+def _grid_scheme(scheme, dtype: torch.dtype):
+    """The quantization scheme an exporter writes the grid of, or None where the engine is served a 16-bit copy:
+    the bf16 engine ('none'), and a scheme the engine quantizes itself at load (fp8-online), whose Fair Cast is
+    the 16-bit export of the copy it quantizes."""
+    from roundalign.quant.schemes import Scheme
+
+    scheme = Scheme.parse(scheme)
+    if not scheme.quantized or scheme.online:
+        return None
+    if dtype != torch.bfloat16:
+        raise ValueError(f"a quantized engine ({scheme}) serves a bf16 model; export with dtype=torch.bfloat16")
+    return scheme
 
 
 def _few(names: list[str]) -> str:

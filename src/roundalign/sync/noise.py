@@ -113,3 +113,23 @@ def fp16_words(key: int, step: int, elements: torch.Tensor) -> torch.Tensor:
     the low half, ``x1`` of block ``g`` in stream 3 in the high half."""
     _, high = threefry2x32(key, elements, counter_hi(step, 3))
     return bf16_noise_at(key, step, elements) | (high << 16)
+
+
+def bernoulli_dyadic(y: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """One exact Bernoulli(y) draw per element of fp32 ``y`` in (0, 1), however many bits y's fraction has.
+
+    ``y = M * 2^(E - 24)`` with a 24-bit integer ``M`` (frexp), ``E <= 0``. ``Bernoulli(M / 2^24)`` and
+    ``Bernoulli(2^E)`` (``-E`` fair coin flips all coming up 0) are independent, and their AND has probability
+    ``y`` exactly. ``-E <= 124`` for fp32 inputs, so four 31-bit words cover the flips. ``draws`` holds five uniform
+    32-bit words per element (int64, shape ``(n, 5)``): the low 24 bits of the first, the low 31 of the others.
+    """
+    mantissa, exponent = torch.frexp(y)
+    m = (mantissa * 16777216.0).to(torch.int64)  # exact: mantissa has 24 significant bits
+    accept = (draws[:, 0] & 0xFFFFFF) < m
+    flips = (-exponent).to(torch.int64)  # zero bits still required
+    for j in range(1, 5):
+        take = flips.clamp(max=31)
+        word = draws[:, j] & 0x7FFFFFFF
+        accept &= (word >> (31 - take)) == 0  # the top `take` bits of the word are all zero
+        flips = flips - take
+    return accept

@@ -142,7 +142,7 @@ class VllmEngine:
 
     def load_weights(self, served: dict) -> None:
         """Serve ``served`` (HF-named tensors in the served dtype) from the next generate on, in place; a quantized
-        engine serves them quantized (``engines.vllm.reload``)."""
+        engine serves them quantized, or serves the codes given (its checkpoint's tensors; ``engines.vllm.reload``)."""
         if self.scheme is not None:
             from roundalign.engines.vllm.reload import reload
 

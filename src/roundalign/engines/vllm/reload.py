@@ -50,7 +50,9 @@ def runner_model(llm):
 
 
 def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
-    """Serve ``state_dict`` (HF-named, the trainer's weights) quantized in ``scheme`` from the next request on."""
+    """Serve ``state_dict`` (HF-named, the trainer's weights) quantized in ``scheme`` from the next request on; or,
+    given the checkpoint's tensors themselves (``roundalign.sync.Exporter(..., scheme=)``: codes an export chose
+    by stochastic rounding or error feedback), exactly those."""
     if scheme.online:
         # vLLM quantizes what it loads (its online method's post-load processing, re-run by its reload), from the
         # bf16 weights: tests/test_quant_vllm.py checks that it serves what a fresh engine serves.
@@ -58,8 +60,11 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
         llm.reset_prefix_cache()
         return
-    linears, rest = checkpoint.quantize_state_dict(state_dict, scheme)
-    served = checkpoint.served_state_dict(state_dict, scheme, (linears, rest))
+    if any(k.endswith(".weight_scale") for k in state_dict):
+        served, linears = state_dict, checkpoint.split(state_dict, scheme)[0]
+    else:
+        linears, rest = checkpoint.quantize_state_dict(state_dict, scheme)
+        served = checkpoint.served_state_dict(state_dict, scheme, (linears, rest))
     model = runner_model(llm)
     for module in model.modules():  # vLLM's reload runs its own schemes' post-load processing
         if isinstance(getattr(module, "scheme", None), _Served):
