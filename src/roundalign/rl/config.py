@@ -31,6 +31,10 @@ DTYPES = tuple(dtypes.BY_NAME)
 ENGINE_BACKENDS = BACKENDS
 ENGINES = ("reference", "vllm")
 TRAINER_SAME_AS_ENGINE = "engine"  # --trainer-profile engine: round where the engine does (the aligned trainer)
+# --trainer-profile quantization-aligned: the engine's rounding rules and its quantization (served weights, activation
+# quantizer, epilogue) with torch's kernels: the middle level between the stock trainer and the exact one.
+TRAINER_QUANTIZATION_ALIGNED = "quantization-aligned"
+TRAINER_ALIASES = (TRAINER_SAME_AS_ENGINE, TRAINER_QUANTIZATION_ALIGNED)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,8 @@ class TrainConfig:
         default=TRAINER_SAME_AS_ENGINE,
         metadata={
             "help": "the trainer's rounding profile: 'engine' (default: round where the engine does; with --engine "
-            "vllm, the build's profile with vLLM's kernels), hf (stock), aligned, or any of {profiles}"
+            "vllm, the build's profile with vLLM's kernels), 'quantization-aligned' (the engine's rounding rules "
+            "and --quantization's scheme, torch's kernels), hf (stock), aligned, or any of {profiles}"
         },
     )
     loss_type: str = field(default="grpo", metadata={"help": "grpo (PPO-clip, default) or reinforce"})
@@ -208,6 +213,10 @@ class TrainConfig:
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    def __post_init__(self) -> None:
+        if self.quantization == "none":  # the bf16 engine, spelled as a scheme (a compare grid's quantization=none)
+            object.__setattr__(self, "quantization", None)
+
     def validate(self) -> TrainConfig:
         """Raise ``UserError`` naming the first bad setting (as its command-line option) and the fix; return ``self``
         when all is well."""
@@ -237,7 +246,7 @@ class TrainConfig:
         if isinstance(self.level, bool) or self.level not in arithmetic.LEVELS:
             raise UserError(f"--level must be one of {', '.join(map(str, arithmetic.LEVELS))}, got {self.level!r}")
         check_sampling({"top_p": self.top_p})  # the range every command checks; temperature's is stricter here
-        named = ["engine_profile"] + ([] if self.trainer_profile == TRAINER_SAME_AS_ENGINE else ["trainer_profile"])
+        named = ["engine_profile"] + ([] if self.trainer_profile in TRAINER_ALIASES else ["trainer_profile"])
         for name in named:
             try:
                 get_profile(getattr(self, name))
@@ -248,8 +257,6 @@ class TrainConfig:
             from roundalign.quant import Scheme
 
             scheme = Scheme.parse(self.quantization)
-            if not scheme.quantized:
-                raise UserError("--quantization none is the bf16 engine: drop the option")
             if self.engine == "vllm" and not self.enforce_eager:
                 raise UserError(
                     "--quantization with --engine vllm is reproduced in vLLM's enforce_eager mode: add --enforce-eager"

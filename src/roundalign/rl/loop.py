@@ -40,7 +40,7 @@ from roundalign.numerics.dtypes import BY_NAME as DTYPE
 from roundalign.numerics.metrics import mismatch_metrics
 from roundalign.profiles import PROFILES, get_profile
 from roundalign.rl import checkpoint, faults
-from roundalign.rl.config import TRAINER_SAME_AS_ENGINE, TrainConfig
+from roundalign.rl.config import TRAINER_QUANTIZATION_ALIGNED, TRAINER_SAME_AS_ENGINE, TrainConfig
 from roundalign.rl.data import Task, sampling_seed
 from roundalign.rl.logbook import Logbook, Progress
 from roundalign.rl.objective import group_advantages, policy_loss
@@ -272,6 +272,17 @@ def _restart(out: Path, console, why: str) -> None:
     shutil.rmtree(out / "tensorboard", ignore_errors=True)
 
 
+def _quantization_aligned(config: TrainConfig) -> str:
+    """The profile ``--trainer-profile quantization-aligned`` names: the engine's rounding rules (for vLLM, its
+    build's) and its scheme, computed with torch's kernels."""
+    if config.engine == "vllm":
+        from roundalign.engines.vllm.profile import trainer_profile
+
+        base = get_profile(trainer_profile(config.enforce_eager)).rounding_only().name
+        return base + (f"+quantization={config.quantization}" if config.quantization else "")
+    return get_profile(config.engine_profile).rounding_only().name  # keeps the engine's scheme
+
+
 def train(
     config: TrainConfig,
     out: Path,
@@ -307,6 +318,8 @@ def train(
                 "set its quantization (Profile.replace(quantization=...).save(path)) and give that file"
             )
         config = config.replace(engine_profile=engine.name)
+    if config.trainer_profile == TRAINER_QUANTIZATION_ALIGNED:
+        config = config.replace(trainer_profile=_quantization_aligned(config))
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)
