@@ -361,6 +361,26 @@ def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
         TrainConfig(engine="vllm", quantization="w8a8-int8").validate()
 
 
+def test_train_names_the_quantization_aligned_trainer_and_the_bf16_engine():
+    """``--trainer-profile quantization-aligned`` is the engine's rounding profile with its scheme (torch's kernels),
+    and ``--quantization none`` the bf16 engine, so one compare grid can hold every level and engine."""
+    from roundalign.rl.config import TrainConfig
+    from roundalign.rl.loop import _quantization_aligned
+
+    assert TrainConfig(quantization="none").validate().quantization is None
+    engine = "vllm-reference-kernels+quantization=w8a8-int8"  # what train makes of --quantization w8a8-int8
+    config = TrainConfig(engine_profile=engine, trainer_profile="quantization-aligned").validate()
+    name = _quantization_aligned(config)
+    assert name == "vllm+quantization=w8a8-int8"
+    profile = get_profile(name)
+    assert (
+        profile.replace(quantization="none").same_rules(get_profile("vllm"))
+        and str(profile.quantization) == "w8a8-int8"
+    )
+    assert profile.gemm is get_profile("vllm").gemm  # not the engine's kernels
+    assert _quantization_aligned(TrainConfig(trainer_profile="quantization-aligned").validate()) == "vllm"
+
+
 @pytest.mark.parametrize("sync", ["stochastic", "error-feedback"])
 def test_fair_cast_on_the_grid_trains_exactly_and_resumes_bitwise(sync, tmp_path):
     """``train --quantization w4a16-g32-zp --sync SYNC`` on the reference engine: the export chooses the codes
