@@ -13,7 +13,8 @@ Targets (issues 6 and 18): time at most 1.05x stock in eager mode (1.10x for the
 ops are mostly call overhead); compiled, the aligned model no slower than compiled stock (1.00x); saved-for-backward
 and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels, benchmarks/exact_step.py, ``--exact``) at
 most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the first-use compile time, cold and warm; ``--sync``
-(benchmarks/sync_export.py) Fair Cast's export against the RNE cast of the same state dict, at most 1.5x. The targets
+(benchmarks/sync_export.py) Fair Cast's export against the RNE cast of the same state dict, at most 1.5x; ``--quant``
+(benchmarks/quant_cost.py) a quantized engine's trainers and exports, without targets. The targets
 are the default ``apply``'s: the opt-out variant (``aligned+eager_ops``, ``compile_ops=False``) is shown beside it
 without one.
 """
@@ -191,6 +192,33 @@ def sync_section(data: dict) -> str:
     return "\n".join(lines)
 
 
+def quant_section(data: dict) -> str:
+    """A quantized engine's cost (benchmarks/quant_cost.py): the quantization-aligned and exact trainers against
+    stock HF per scheme, and the export onto each scheme's grid against the bf16 RNE cast. No targets: the issue
+    asks for the figures (docs/quantization.md says what they buy)."""
+    head = ["scheme", "model", "shape", "pass", "trainer", "time ms", "time × stock", "peak MiB", "peak × stock"]
+    lines = [machine_line(data.get("machine", {})), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    names = {"stock": "stock HF (bf16)", "rounding": "quantization-aligned", "exact": "exact"}
+    for r in data["train"]:
+        stock = r["variant"] == "stock"
+        band = r.get("time_band")
+        time_cell = "1" if stock else f"{r['time_ratio']:.2f}" + (f" ({band[0]:.2f}-{band[1]:.2f})" if band else "")
+        peak = r.get("peak_ratio")
+        peak_cell = "" if peak is None else ("1" if stock else f"{peak:.2f}")
+        lines.append("| " + " | ".join([
+            r["scheme"], r["name"], r["shape"], r["pass"], names[r["variant"]], f"{r['time_ms']:.4g}", time_cell,
+            _mib(r.get("peak_bytes")), peak_cell]) + " |")  # fmt: skip
+    head = ["tensor set", "scheme", "threads", "bf16 RNE s", "RNE × bf16", "stochastic × bf16", "error-feedback × bf16"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in data["export"]:
+        cells = [f"{r['ratio'][m]:.2f} ({r['band'][m][0]:.2f}-{r['band'][m][1]:.2f})" for m in
+                 ("rne", "stochastic", "error-feedback")]  # fmt: skip
+        lines.append("| " + " | ".join([
+            f"{r['set']} ({r['parameters'] / 1e6:.1f}M)", r["scheme"], str(r["threads"]),
+            f"{r['median_s']['bf16 rne']:.4f}", *cells]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def fill(page: str, suite: str, block: str) -> str:
     """Replace what lies between the suite's markers in ``page`` with ``block``."""
     start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
@@ -209,10 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exact", metavar="JSON", help="benchmarks/exact_step.py --json output")
     ap.add_argument("--compile-time", metavar="JSON", help="benchmarks/compile_time.py --json output")
     ap.add_argument("--sync", metavar="JSON", help="benchmarks/sync_export.py --json output")
+    ap.add_argument("--quant", metavar="JSON", help="benchmarks/quant_cost.py --json output")
     ap.add_argument("--out", default="docs/benchmarks.md", help="the page with the markers (default %(default)s)")
     args = ap.parse_args(argv)
-    if not (args.ops or args.model or args.exact or args.compile_time or args.sync):
-        ap.error("give at least one of --ops, --model, --exact, --compile-time, --sync")
+    if not (args.ops or args.model or args.exact or args.compile_time or args.sync or args.quant):
+        ap.error("give at least one of --ops, --model, --exact, --compile-time, --sync, --quant")
     out = Path(args.out)
     if not out.is_file():
         ap.error(f"--out {out} does not exist; it must be the page holding the bench markers")
@@ -226,11 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         raw_dir.mkdir(parents=True, exist_ok=True)
         (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
     for suite, path, render in (("exact", args.exact, exact_section), ("compile_time", args.compile_time,
-                                compile_section), ("sync", args.sync, sync_section)):  # fmt: skip
+                                compile_section), ("sync", args.sync, sync_section),
+                                ("quant", args.quant, quant_section)):  # fmt: skip
         if not path:
             continue
         data = json.loads(Path(path).read_text())
-        if data.get("suite") != suite or (suite in ("exact", "sync") and not data.get("results")):
+        empty = suite in ("exact", "sync") and not data.get("results") or suite == "quant" and not data.get("train")
+        if data.get("suite") != suite or empty:
             raise ValueError(f"{path}: expected a {suite!r} suite JSON with results")
         page = fill(page, suite, render(data))
         raw_dir.mkdir(parents=True, exist_ok=True)

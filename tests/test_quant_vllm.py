@@ -222,3 +222,33 @@ def test_train_on_a_quantized_vllm_is_exactly_on_policy_every_step(engine_python
     # an update that reached the engine before a later step's sampling (SR and EF move codes at every export)
     changed = [a["sync/update_transfer"] is not None and a["sync/visible_fraction"] > 0.1 for a in steps[:-1]]
     assert any(changed), "no step changed the served weights; raise the learning rate"
+
+
+def test_quant_cost_benchmark_runs_and_reports(engine_python, tmp_path):
+    """benchmarks/quant_cost.py (make bench) in the engine's Python: a smoke run of one scheme with every trainer
+    and pass against stock in the same run, the export modes against the bf16 cast, and the report's block. No
+    timing assertions."""
+    bench = HERE.parent / "benchmarks"
+    out = tmp_path / "quant.json"
+    argv = [engine_python, str(bench / "quant_cost.py"), "--quick", "--schemes", "w8a8-int8", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {(r["variant"], r["pass"]) for r in data["train"]} == {
+        (v, p) for v in ("stock", "rounding", "exact") for p in ("train step", "first recompute", "recompute")
+    }
+    assert {r["profile"] for r in data["train"] if r["variant"] == "exact"} == {f"{KERNELS}+quantization=w8a8-int8"}
+    assert [(r["set"], r["scheme"]) for r in data["export"]] == [("tiny", s) for s in ("w8a8-int8", "w4a16", "fp8")]
+    for r in data["export"]:
+        assert set(r["ratio"]) == {"bf16 rne", "rne", "stochastic", "error-feedback"} and r["ratio"]["bf16 rne"] == 1
+    page = tmp_path / "bench.md"
+    page.write_text("<!-- bench:quant -->\n<!-- /bench:quant -->\n")
+    report = subprocess.run(
+        [engine_python, str(bench / "report.py"), "--quant", str(out), "--out", str(page)],
+        capture_output=True,
+        text=True,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    text = page.read_text()
+    assert "| w8a8-int8 | tiny-qwen3 | 2x32 | train step | quantization-aligned |" in text
+    assert "| tiny (3.3M) | fp8 |" in text
