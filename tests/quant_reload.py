@@ -71,6 +71,22 @@ def main(model_dir: str, scheme_name: str, work: str, sync: str = "") -> None:
     result = {"first": logprobs(llm)}
     reload(llm, moved, scheme)
     result["reloaded"] = logprobs(llm)
+    # the audit reads every served weight back: all as exported, and one code off is found, in its fused layer
+    from roundalign.engines.vllm.audit import served_mismatches
+
+    result["audit"] = served_mismatches(llm, moved, scheme)
+    off = dict(moved)
+    key = "model.layers.1.self_attn.k_proj.weight" + ("_packed" if scheme.weights == "int4" and sync else "")
+    if scheme.weights == "int4" and sync:
+        off[key] = off[key].clone()
+        off[key][3, 2] ^= 1  # the lowest bit of one packed 4-bit code
+    elif sync:
+        off[key] = off[key].clone()
+        off[key].view(torch.uint8)[3, 2] ^= 1  # the lowest bit of one code (int8, E4M3)
+    else:  # bf16 weights the engine quantizes: a change of several grid steps (a bit of it could round away)
+        off[key] = off[key].clone()
+        off[key][3, 2] += 0.05
+    result["audit_off"] = served_mismatches(llm, off, scheme)[0]
     reload(llm, source, scheme)
     result["back"] = logprobs(llm)
     del llm

@@ -162,6 +162,7 @@ def test_a_running_engine_reloads_quantized_weights_exactly(engine_python, schem
     assert result["reloaded"] == result["fresh"]
     assert result["back"] == result["first"]
     assert result["reloaded"] != result["first"]
+    assert result["audit"] == [[], 35] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
 
 
 @pytest.mark.parametrize(("scheme", "sync"), [("w4a16-g32-zp", "stochastic"), ("w8a8-int8", "error-feedback")])
@@ -174,6 +175,7 @@ def test_a_running_engine_serves_the_codes_an_export_chose(engine_python, scheme
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "reload.json").read_text())
     assert result["codes_differ"]
+    assert result["audit"] == [[], 35] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
     assert result["reloaded"] == result["fresh"]
     assert result["back"] == result["first"]
     assert result["reloaded"] != result["first"]
@@ -208,6 +210,7 @@ def test_train_on_a_quantized_vllm_is_exactly_on_policy_every_step(engine_python
     out = tmp_path / "run"
     argv = [engine_python, "-m", "roundalign", "train", "--engine", "vllm", "--enforce-eager", "--out", str(out)]
     argv += ["--quantization", scheme, "--sync", sync, "--steps", "3", "--prompts-per-step", "3", "--group-size", "4"]
+    argv += ["--audit-served"]  # every served weight read back from vLLM after every sync
     argv += ["--max-tokens", "24", "--level", "1", "--lr", "1e-3", "--eval-every", "0", "--eval-problems", "4"]
     proc = subprocess.run([*argv, "--quiet", "--no-tensorboard"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,6 +220,7 @@ def test_train_on_a_quantized_vllm_is_exactly_on_policy_every_step(engine_python
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
+        assert m["sync/served_checked"] == 35  # 4 layers x (4 fused linears, 4 norms), embeddings, final norm, lm_head
         assert m["rollout_corr/k3_kl"] == 0.0 and m["mismatch/bitwise_equal_frac"] == 1.0
         assert m["rollout_corr/raw_is_min"] == m["rollout_corr/raw_is_max"] == 1.0
     # an update that reached the engine before a later step's sampling (SR and EF move codes at every export)

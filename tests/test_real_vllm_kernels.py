@@ -167,7 +167,7 @@ def test_train_with_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path
     out = tmp_path / "run"
     argv = [engine_python, "-m", "roundalign", "train", "--engine", "vllm", "--enforce-eager", "--out", str(out)]
     argv += ["--steps", "3", "--prompts-per-step", "3", "--group-size", "4", "--max-tokens", "24", "--level", "1"]
-    argv += ["--lr", "1e-3", "--sync", "stochastic", "--eval-every", "0", "--eval-problems", "4"]
+    argv += ["--lr", "1e-3", "--sync", "stochastic", "--eval-every", "0", "--eval-problems", "4", "--audit-served"]
     proc = subprocess.run([*argv, "--quiet", "--no-tensorboard"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
@@ -175,6 +175,7 @@ def test_train_with_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
+        assert m["sync/served_checked"] == 35  # every weight vLLM serves, read back after the sync: as exported
         assert m["rollout_corr/k3_kl"] == 0.0 and m["mismatch/bitwise_equal_frac"] == 1.0
         assert m["mismatch/log_ratio_max_abs"] == 0.0
         assert m["rollout_corr/raw_is_min"] == m["rollout_corr/raw_is_max"] == 1.0

@@ -102,6 +102,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
         (
             Option("engine", {"choices": ENGINES}),
             Option("enforce_eager", {"action": "store_true"}),
+            Option("audit_served", {"action": "store_true"}),
             Option("engine_profile", {"metavar": "NAME"}),
             Option("engine_backend", {"choices": ENGINE_BACKENDS}),
             Option("quantization", {"metavar": "SCHEME"}),

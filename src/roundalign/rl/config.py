@@ -59,6 +59,13 @@ class TrainConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "--engine vllm: its enforce_eager mode (default: compiled)"}
     )
+    audit_served: bool = field(
+        default=False,
+        metadata={
+            "help": "--engine vllm: after every weight sync, read each served weight back through vLLM's own modules "
+            "and stop if one is not what was exported (one identity GEMM per layer: a check, not for large models)"
+        },
+    )
     engine_profile: str = field(
         default="vllm", metadata={"help": "the reference engine's rounding profile (default {default}; {profiles})"}
     )
@@ -266,6 +273,11 @@ class TrainConfig:
                 raise UserError(f"--engine-profile {self.engine_profile} serves {served}, not --quantization {scheme}")
         if self.enforce_eager and self.engine != "vllm":
             raise UserError("--enforce-eager is a vLLM mode: add --engine vllm, or drop --enforce-eager")
+        if self.audit_served and self.engine != "vllm":
+            raise UserError(
+                "--audit-served reads the weights back from vLLM; the reference engine serves the exported tensors "
+                "themselves. Add --engine vllm, or drop --audit-served"
+            )
         if self.engine == "vllm" and (self.dtype != "bfloat16" or self.engine_backend != "kernels"):
             raise UserError(
                 "--engine vllm serves bfloat16 with vLLM's own code: drop --dtype and --engine-backend (they set the "

@@ -114,7 +114,10 @@ class Run:
         served = self.exporter.export(master)
         faults.point("export", step)
         self._serve(served)
-        return self.tracker.update(master, served_weights(served, self.config.served_scheme))
+        metrics = self.tracker.update(master, served_weights(served, self.config.served_scheme))
+        if self.config.audit_served:  # every weight read back from vLLM; a mismatch stops the run, naming it
+            metrics["sync/served_checked"] = self.engine.audit(served)
+        return metrics
 
     def _serve(self, served: dict) -> None:
         """The engine serves ``served``; the trainer computes on it (--loss-on-served) or on the master's RNE cast."""

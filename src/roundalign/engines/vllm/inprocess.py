@@ -28,7 +28,7 @@ from roundalign.engine.loader import read_tokenizer
 from roundalign.engine.sampling import SamplingParams, request_seeds
 from roundalign.engines import failure
 from roundalign.engines.vllm.build import ENVIRONMENT, engine_info, installed_version
-from roundalign.errors import UserError
+from roundalign.errors import Failure, UserError
 from roundalign.rollouts import Rollout
 
 # The engine fails inside a training run: what was saved is intact (checkpoints are written whole).
@@ -153,6 +153,21 @@ class VllmEngine:
         with failure.guard("load_weights", RESUME):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
+
+    def audit(self, served: dict) -> int:
+        """Check that the engine serves ``served`` (the last ``load_weights``) exactly, reading every weight back
+        through its own modules (``engines.vllm.audit``); how many were checked. A mismatch is an error naming them."""
+        from roundalign.engines.vllm.audit import served_mismatches
+        from roundalign.quant.schemes import NONE
+
+        bad, checked = served_mismatches(self.llm, served, self.scheme or NONE)
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+            raise Failure(
+                f"vLLM does not serve what was exported for {len(bad)} of {checked} weights after the sync: {shown}. "
+                "The engine's in-place reload missed them; report this with the vLLM version and the scheme"
+            )
+        return checked
 
 
 __all__ = ["VllmEngine"]
