@@ -47,10 +47,17 @@ def policy(fp32: bool = True):
     return model, tokenizer
 
 
+def reward_brevity(prompts, completions, **kwargs):
+    """A small reward for shorter completions: a group of sampled completions nearly always differs in length, so
+    every step has a gradient, whichever answers the CPU's numerics happened to sample."""
+    return [-len(c) / 1000 for c in completions]
+
+
 def trainer(
-    model, tokenizer, out: str, *, fp32: bool = True, steps: int = 3, generations: int = 8, rollout_func=None, **config
-):
-    """A GRPOTrainer; ``config`` overrides GRPOConfig fields."""
+    model, tokenizer, out: str, *, fp32: bool = True, steps: int = 3, generations: int = 8, rollout_func=None,
+    rewards=(reward_exact,), **config,
+):  # fmt: skip
+    """A GRPOTrainer; ``rewards`` its reward functions, ``config`` overrides GRPOConfig fields."""
     from trl import GRPOConfig, GRPOTrainer
 
     kw = dict(
@@ -75,7 +82,7 @@ def trainer(
         return GRPOTrainer(
             model=model,
             args=args,
-            reward_funcs=reward_exact,
+            reward_funcs=list(rewards),
             train_dataset=dataset(),
             processing_class=tokenizer,
             rollout_func=rollout_func,

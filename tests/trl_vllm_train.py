@@ -31,7 +31,10 @@ def run(rollout: VllmRolloutFunc, out: str, steps: int, profile: str | None) -> 
     model, tokenizer = trl_setup.policy(fp32=True)
     if profile is not None:
         patch_policy(model, profile)
-    trainer = trl_setup.trainer(model, tokenizer, out, steps=steps, temperature=TEMPERATURE, rollout_func=rollout)
+    trainer = trl_setup.trainer(
+        model, tokenizer, out, steps=steps, temperature=TEMPERATURE, rollout_func=rollout,
+        rewards=(trl_setup.reward_exact, trl_setup.reward_brevity),  # a gradient at every step, on every CPU
+    )  # fmt: skip
     rollout.attach(trainer)
     batches, scored = [], []
     generate, score = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies

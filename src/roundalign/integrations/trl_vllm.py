@@ -48,7 +48,7 @@ class VllmRolloutFunc(EngineRolloutFunc):
             vLLM per process is what fits in memory); by default one is started here.
         quantization: vLLM serves a quantized copy in this scheme (``w8a8-int8``, ``fp8``, ``w4a16``, ...;
             docs/quantization.md): the checkpoint written to ``served_dir`` (default: a new temporary directory),
-            quantized again from the exported weights at every sync; ``trainer_profile`` then computes it too.
+            exported onto the scheme's grid by ``sync`` at every sync; ``trainer_profile`` then computes it too.
 
     ``trainer_profile`` is the profile that makes the policy exact against this build (its ``-kernels`` profile);
     ``engine_profile`` (the metrics' target) is the same.
@@ -106,7 +106,9 @@ class VllmRolloutFunc(EngineRolloutFunc):
                 quantization=quantization, served_dir=served_dir,
             )  # fmt: skip
         self.vllm = engine
-        self.exporter = Exporter(sync, seed=seed, dtype=torch.bfloat16)
+        # A quantized vLLM is exported onto its grid by the sync mode (Fair Cast on the grid, roundalign.sync.grid).
+        self.scheme = quantization
+        self.exporter = Exporter(sync, seed=seed, dtype=torch.bfloat16, scheme=quantization)
 
     def _make_engine(self, trainer, policy):
         if trainer.accelerator.num_processes > 1:
@@ -126,4 +128,9 @@ class VllmRolloutFunc(EngineRolloutFunc):
     def _load(self, master: dict) -> dict:
         served = self.exporter.export(master)
         self.vllm.load_weights(served)
-        return served
+        if self.scheme is None:
+            return served
+        from roundalign.quant.schemes import Scheme
+        from roundalign.sync.grid import served_weights
+
+        return served_weights(served, Scheme.parse(self.scheme))  # what the engine multiplies by, by HF name
