@@ -458,3 +458,22 @@ def test_prefill_check_metrics_get_a_column_and_a_plot_only_when_logged(tmp_path
     assert table["trainer=hf"]["metrics"]["prefill/k3_kl"]["mean"] is None  # not logged by those runs
     names = [p.name for p in plot(runs, out, smooth=1)]
     assert names == [f"{p.file}.png" for p in PANELS] + ["prefill_k3_kl.png", "overview.png"]
+
+
+def test_a_finished_cell_named_by_an_alias_is_skipped(tmp_path):
+    """A run writes its resolved names (``--trainer-profile quantization-aligned`` as the profile it stands for,
+    the reference engine's profile with ``--quantization``'s scheme); re-running the grid recognises the cell."""
+    from roundalign.rl.compare_plan import train_config
+    from roundalign.rl.compare_run import _decide
+    from roundalign.rl.loop import resolved
+
+    fixed = ["--quantization", "w8a8-int8", "--engine-profile", "vllm-reference-kernels", "--steps", "2"]
+    (cell,) = plan(parse_grid(["trainer=quantization-aligned"]), fixed)
+    written = resolved(train_config(cell, fixed)).to_dict()
+    assert written["trainer_profile"] == "vllm+quantization=w8a8-int8"
+    assert written["engine_profile"] == "vllm-reference-kernels+quantization=w8a8-int8"
+    run_dir = tmp_path / cell.name
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(written))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(3)))
+    assert _decide(cell, tmp_path, fixed, force=False) == "skip"

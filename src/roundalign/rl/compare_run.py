@@ -64,7 +64,9 @@ def _decide(cell: Cell, out: Path, fixed_args: list[str], force: bool) -> str:
     if found is None:
         return "run"  # nothing finished there (a crashed or interrupted cell): start it again
     saved, last = found
-    want = train_config(cell, fixed_args).to_dict()
+    from roundalign.rl.loop import resolved
+
+    want = resolved(train_config(cell, fixed_args)).to_dict()  # as the run wrote it: aliases resolved
     saved_steps = saved.get("steps")
     if last != saved_steps:
         return "run"

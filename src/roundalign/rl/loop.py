@@ -275,6 +275,31 @@ def _restart(out: Path, console, why: str) -> None:
     shutil.rmtree(out / "tensorboard", ignore_errors=True)
 
 
+def resolved(config: TrainConfig) -> TrainConfig:
+    """``config`` with its names resolved as the run records them in config.json: ``--trainer-profile engine``
+    (with vLLM) and ``quantization-aligned`` as the profiles they stand for, and the reference engine's profile
+    with ``--quantization``'s scheme. ``roundalign compare`` compares a finished cell's settings with these."""
+    if config.engine == "vllm" and config.trainer_profile == TRAINER_SAME_AS_ENGINE:
+        from roundalign.engines.vllm.profile import trainer_profile
+
+        # The exact trainer of this vLLM build, named in config.json (a resumed run keeps it).
+        exact = trainer_profile(config.enforce_eager)
+        quantized = f"+quantization={config.quantization}" if config.quantization else ""
+        config = config.replace(trainer_profile=exact + quantized)
+    elif config.engine == "reference" and config.quantization:
+        # The reference engine serves the scheme: its profile says so (and the trainer's, under 'engine').
+        engine = get_profile(config.engine_profile).replace(quantization=config.quantization)
+        if engine.name.partition("+")[0] not in PROFILES or get_profile(engine.name).rules() != engine.rules():
+            raise UserError(
+                f"--quantization applies to a built-in --engine-profile; {config.engine_profile} is a profile file: "
+                "set its quantization (Profile.replace(quantization=...).save(path)) and give that file"
+            )
+        config = config.replace(engine_profile=engine.name)
+    if config.trainer_profile == TRAINER_QUANTIZATION_ALIGNED:
+        config = config.replace(trainer_profile=_quantization_aligned(config))
+    return config
+
+
 def _quantization_aligned(config: TrainConfig) -> str:
     """The profile ``--trainer-profile quantization-aligned`` names: the engine's rounding rules (for vLLM, its
     build's) and its scheme, computed with torch's kernels."""
@@ -305,24 +330,7 @@ def train(
                 "choose another --out"
             )
         _restart(out, console, "it holds a run that stopped before its first checkpoint")
-    if config.engine == "vllm" and config.trainer_profile == TRAINER_SAME_AS_ENGINE:
-        from roundalign.engines.vllm.profile import trainer_profile
-
-        # The exact trainer of this vLLM build, named in config.json (a resumed run keeps it).
-        exact = trainer_profile(config.enforce_eager)
-        quantized = f"+quantization={config.quantization}" if config.quantization else ""
-        config = config.replace(trainer_profile=exact + quantized)
-    elif config.engine == "reference" and config.quantization:
-        # The reference engine serves the scheme: its profile says so (and the trainer's, under 'engine').
-        engine = get_profile(config.engine_profile).replace(quantization=config.quantization)
-        if engine.name.partition("+")[0] not in PROFILES or get_profile(engine.name).rules() != engine.rules():
-            raise UserError(
-                f"--quantization applies to a built-in --engine-profile; {config.engine_profile} is a profile file: "
-                "set its quantization (Profile.replace(quantization=...).save(path)) and give that file"
-            )
-        config = config.replace(engine_profile=engine.name)
-    if config.trainer_profile == TRAINER_QUANTIZATION_ALIGNED:
-        config = config.replace(trainer_profile=_quantization_aligned(config))
+    config = resolved(config)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)  # nothing in a step draws from the global generator; this is belt and braces
     run = Run(config, out, console, tensorboard)
