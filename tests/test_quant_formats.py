@@ -141,3 +141,21 @@ def test_format_errors():
         formats.nvfp4(torch.zeros(1, 16), convention="cuda")
     with pytest.raises(ValueError, match="'ocp', 'ocp-even' or 'vllm'"):
         formats.mxfp4(torch.zeros(1, 32), rounding="aiter")
+
+
+def test_the_gpu_check_script_runs_cpu_against_cpu(tmp_path):
+    """scripts/gpu_quant_check.py, ready for a GPU machine: its smoke run here compares the CPU with itself, so every
+    check must come out equal (on a GPU, fp8_linear against hardware FP8 is expected not to)."""
+    import json
+    import sys
+
+    out = tmp_path / "cpu.json"
+    script = HERE.parent / "scripts" / "gpu_quant_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(out)], capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    checks = [c for group in ("formats", "grid_export") for case in result[group].values()
+              for c in (case.values() if "equal" not in case else [case])]  # fmt: skip
+    checks += list(result["linear"].values())
+    assert len(checks) == 7 * 2 + 6 + 2 and all(c["equal"] for c in checks)  # codes and scales of 7 formats

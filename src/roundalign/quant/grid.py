@@ -188,7 +188,7 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     to an ``int32`` along ``dim``, the first in the lowest four bits."""
     u = (values.to(torch.int32) + 8).movedim(dim, -1)
     u = u.reshape(*u.shape[:-1], -1, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=values.device)
     packed = (u << shifts).sum(-1, dtype=torch.int64)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the int32 with those bits
     return packed.movedim(-1, dim).contiguous()
@@ -197,7 +197,7 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     """``pack_int4``'s inverse: signed ``int8`` values."""
     p = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     u = (p[..., None] >> shifts) & 0xF
     return (u.reshape(*p.shape[:-1], -1) - 8).to(torch.int8).movedim(-1, dim).contiguous()
 

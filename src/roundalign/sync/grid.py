@@ -69,13 +69,14 @@ def bernoulli(p: torch.Tensor, key: int, step: int) -> torch.Tensor:
         raise ValueError(
             f"one stochastic export draws at most {noise.MAX_BLOCKS} elements; this tensor has {flat.numel()}"
         )
-    out = torch.empty(flat.numel(), dtype=torch.bool)
+    out = torch.empty(flat.numel(), dtype=torch.bool, device=p.device)
     hi = noise.counter_hi(step, 0)
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start : start + _CHUNK]
-        word = _native.words(noise.split_key(key), hi, start, chunk.numel())
-        if word is None:  # no compiled kernels here: the same words in torch ops
-            word = noise.threefry2x32(key, torch.arange(start, start + chunk.numel(), dtype=torch.int64), hi)[0]
+        word = _native.words(noise.split_key(key), hi, start, chunk.numel()) if p.device.type == "cpu" else None
+        if word is None:  # a GPU, or no compiled kernels here: the same words in torch ops
+            index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=p.device)
+            word = noise.threefry2x32(key, index, hi)[0]
         # p * 2^32 is an integer for p >= 2^-8 (its ulp is at least 2^-31), so the comparison's probability is p.
         accept = word < (chunk.double() * 2.0**32).to(torch.int64)
         small = ((chunk > 0) & (chunk < _SMALL_P)).nonzero().squeeze(1)
