@@ -87,14 +87,3 @@ def compiled_forward_applies(engine_python) -> bool:
     proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1] == "True"
-
-
-# The longest files first. With `-n 2 --dist loadfile` pytest-xdist hands whole files to the workers in collection
-# order; a long file collected last (verl's loop, about ten minutes of one worker) then runs alone at the end while
-# the other worker idles. Sorting is stable: every other file keeps its place.
-_LONG_FIRST = ("test_verl_loop.py", "test_quant_vllm.py", "test_real_vllm_kernels.py", "test_real_vllm_trl.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FIRST)))
