@@ -315,10 +315,11 @@ class Engine:
         if not (scheme.quantized and not scheme.online and isinstance(state_dict, dict)):
             self.weights.load(state_dict, sync, seed)
             return
-        if not any(isinstance(k, str) and k.endswith(".weight_scale") for k in state_dict):
+        from roundalign.quant import checkpoint
+
+        if not checkpoint.is_checkpoint(state_dict):
             self.weights.load(state_dict, sync, seed)
             return
-        from roundalign.quant import checkpoint
         from roundalign.quant.grid import serve
 
         if sync != "rne":

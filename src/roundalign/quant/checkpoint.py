@@ -39,6 +39,12 @@ def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
     return leaf == "weight" and tensor.dim() == 2 and module.rpartition(".")[2] in PROJECTIONS
 
 
+def is_checkpoint(state_dict: dict) -> bool:
+    """Whether ``state_dict`` already is a quantized checkpoint's tensors (``served_state_dict``'s, an export onto
+    the grid's), rather than a model's weights: its quantized linears carry their scales."""
+    return any(isinstance(k, str) and k.endswith(".weight_scale") for k in state_dict)
+
+
 def tensors(name: str, q: Quantized, scheme: Scheme) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized linear (``name`` without ``.weight``)."""
     if scheme.weights in ("int8", "fp8"):
@@ -72,7 +78,7 @@ def served_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme, quant
     rest in bf16), or for a scheme vLLM quantizes itself at load (``fp8-online``) the bf16 copy it quantizes.
     ``quantized``: ``quantize_state_dict``'s result where the caller has it already. A state dict that already is
     a checkpoint's tensors (an export's: ``roundalign.sync.Exporter(..., scheme=)``) is returned as it is."""
-    if not scheme.online and any(k.endswith(".weight_scale") for k in state_dict):
+    if not scheme.online and is_checkpoint(state_dict):
         return {k: v.contiguous() for k, v in state_dict.items()}
     if scheme.online:
         return {
@@ -172,6 +178,6 @@ def split(served: dict[str, torch.Tensor], scheme: Scheme) -> tuple[dict[str, Qu
 
 
 __all__ = [
-    "PROJECTIONS", "is_quantized_linear", "quantize_state_dict", "read", "served_state_dict", "split", "tensors",
-    "write",
+    "PROJECTIONS", "is_checkpoint", "is_quantized_linear", "quantize_state_dict", "read", "served_state_dict", "split",
+    "tensors", "write",
 ]  # fmt: skip

@@ -74,9 +74,9 @@ class Policy:
         linear then computes with exactly the served codes (``quant.grid.serve``), its compute weight set to their
         dequantized value; everything else is copied as above."""
         linears = {}
-        if served is not None and any(k.endswith(".weight_scale") for k in served):
-            from roundalign.quant import checkpoint
+        from roundalign.quant import checkpoint
 
+        if served is not None and checkpoint.is_checkpoint(served):
             linears, served = checkpoint.split(served, self.scheme)
             served |= {f"{name}.weight": q.dequantize(self.dtype) for name, q in linears.items()}
         for name, p in self._compute.items():

@@ -53,9 +53,10 @@ def served_weights(served: dict[str, torch.Tensor], scheme: Scheme) -> dict[str,
     """A served copy by HF name as the engine computes with it (what ``UpdateTracker`` measures): a quantized
     engine's checkpoint tensors (``Exporter(..., scheme=)``) with each linear's ``served_weight`` under its weight's
     name; any other served copy as it is."""
-    if not any(k.endswith(".weight_scale") for k in served):
-        return served
     from roundalign.quant import checkpoint
+
+    if not checkpoint.is_checkpoint(served):
+        return served
 
     linears, rest = checkpoint.split(served, scheme)
     return rest | {f"{name}.weight": served_weight(q, scheme) for name, q in linears.items()}

@@ -23,25 +23,15 @@ import torch
 from roundalign.engines.vllm.reload import runner_model
 from roundalign.kernels import vllm_quant
 from roundalign.quant import checkpoint
-from roundalign.quant.grid import quantize_weight
 from roundalign.quant.schemes import Scheme
 
 
 def _exported_linears(served: dict, scheme: Scheme) -> tuple[dict, dict]:
-    """``({linear name: Quantized or None}, {name: tensor})`` of an export: the quantized linears of a quantized
-    engine (codes given, or quantized as the engine quantizes what it loads), else every tensor by name."""
-    if not scheme.quantized:
-        return {}, served
-    if not scheme.online and any(k.endswith(".weight_scale") for k in served):
+    """``({linear name: Quantized}, {name: tensor})`` of an export: the codes given (a checkpoint's tensors), or the
+    weights quantized as the engine quantizes what it loads (none for a bf16 engine: every tensor in the rest)."""
+    if not scheme.online and checkpoint.is_checkpoint(served):
         return checkpoint.split(served, scheme)
-    linears = {}
-    rest = {}
-    for name, tensor in served.items():
-        if checkpoint.is_quantized_linear(name, tensor):
-            linears[name.removesuffix(".weight")] = quantize_weight(tensor, scheme)
-        else:
-            rest[name] = tensor
-    return linears, rest
+    return checkpoint.quantize_state_dict(served, scheme)
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
         llm.reset_prefix_cache()
         return
-    if any(k.endswith(".weight_scale") for k in state_dict):
+    if checkpoint.is_checkpoint(state_dict):
         served, linears = state_dict, checkpoint.split(state_dict, scheme)[0]
     else:
         linears, rest = checkpoint.quantize_state_dict(state_dict, scheme)
