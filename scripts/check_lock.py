@@ -21,8 +21,9 @@ import json
 import re
 import sys
 import sysconfig
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "requirements"

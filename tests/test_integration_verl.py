@@ -359,6 +359,26 @@ def test_stochastic_sync_makes_verl_deltas_denser(actor_runs):
     assert ef[-1] > rne[-1] and sr[-1] > ef[-1]
 
 
+@pytest.mark.slow
+def test_verl_fp8_rollouts_get_verls_own_fp8_weights_in_the_aligned_trainer():
+    """verl's FP8 rollouts (blockwise E4M3, 128 x 128 weight scales): on two FSDP2 ranks, at the seed sync and after
+    each optimizer step, the FP8 weights and descales the aligned trainer (``vllm+quantization=fp8-block``) computes
+    with are bit for bit what verl's own quantizer makes of the exported weights, for every linear it quantizes; and
+    the actor's logits are the single-process model's under the same profile."""
+    require_verl()
+    from tests.distributed import spawn_gloo
+    from tests.verl_ranks import fp8_run
+
+    ranks = spawn_gloo(fp8_run, 2, 2, 1e-4)  # 2 optimizer steps at lr 1e-4: the weights move
+    want = _bf16_reference("vllm+quantization=fp8-block")
+    for rank in ranks:
+        for version in rank:
+            assert version["mismatches"] == [] and version["dtype"] == "torch.float8_e4m3fn"
+            assert version["verl"] == version["ours"] and len(version["ours"]) == 4 * 7  # 4 layers x 7 projections
+        assert torch.equal(rank[0]["logits"], want)
+        assert not torch.equal(rank[-1]["logits"], want)  # the steps moved the weights: the check saw new codes
+
+
 # ---- verl's whole loop on a CPU: the pieces (tests/test_verl_loop.py runs the loop itself) -------------------------
 
 

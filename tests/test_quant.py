@@ -22,7 +22,7 @@ from tests import quant_formulas as ref
 from tests.test_engine_matches_trainer import sequences, trainer_logprobs, trainer_model
 
 QUANTIZED = [s for s in SCHEMES if s != "none"]
-CHECKPOINTS = [s for s in QUANTIZED if not SCHEMES[s].online]  # written as a checkpoint (else vLLM quantizes)
+CHECKPOINTS = [s for s in QUANTIZED if not SCHEMES[s].from_bf16]  # written as a checkpoint (else the engine quantizes)
 
 
 def _weights(rows=64, cols=256, seed=0, scale=0.05) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _weights(rows=64, cols=256, seed=0, scale=0.05) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", [s for s in QUANTIZED if SCHEMES[s].weights != "fp8"])
+@pytest.mark.parametrize("name", [s for s in CHECKPOINTS if SCHEMES[s].weights != "fp8"])
 def test_integer_weights_match_the_definition(name):
     scheme = SCHEMES[name]
     w = _weights()
@@ -295,7 +295,7 @@ def test_a_layer_the_scheme_cannot_serve_is_named():
 def test_scheme_names():
     assert str(Scheme.parse("w8a8-int8")) == "w8a8-int8"
     with pytest.raises(UserError, match="choose one of none, w8a8-int8, fp8, fp8-online, w4a16"):
-        Scheme.parse("nvfp4")
+        Scheme.parse("int3")
 
 
 def test_fit_carries_the_served_quantization():
@@ -339,9 +339,11 @@ def test_the_compiled_forward_refuses_a_quantized_engine():
         roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels+quantization=w8a8-int8")
 
 
-def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
-    """``roundalign train --quantization w8a8-int8`` with the reference engine (re-quantized after every weight sync):
-    the trainer with the same profile has k3_kl = 0 at every step; the stock bf16 trainer does not."""
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "nvfp4", "fp8-block"])
+def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(scheme, tmp_path):
+    """``roundalign train --quantization SCHEME`` with the reference engine (re-quantized after every weight sync),
+    for a scheme vLLM's CPU build serves and two emulated GPU formats: the trainer with the same profile has
+    k3_kl = 0 at every step; the stock bf16 trainer does not."""
     from roundalign.rl.config import TrainConfig
     from roundalign.rl.logbook import read_metrics
     from roundalign.rl.loop import train
@@ -350,15 +352,19 @@ def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(tmp_path):
     profile = "vllm-reference-kernels"  # the engine's decode kernels in the trainer too
     kl = {}
     for trainer in ("engine", "hf"):
-        config = TrainConfig(engine_profile=profile, quantization="w8a8-int8", trainer_profile=trainer, **small)
+        config = TrainConfig(engine_profile=profile, quantization=scheme, trainer_profile=trainer, **small)
         out = train(config.validate(), tmp_path / trainer, progress=False, tensorboard=False)
         kl[trainer] = [r["rollout_corr/k3_kl"] for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
         written = json.loads((out / "config.json").read_text())
-        assert written["engine_profile"] == f"{profile}+quantization=w8a8-int8"
+        assert written["engine_profile"] == f"{profile}+quantization={scheme}"
     assert kl["engine"] == [0.0, 0.0]
     assert all(k > 0 for k in kl["hf"])
-    with pytest.raises(UserError, match="enforce_eager mode: add --enforce-eager"):
-        TrainConfig(engine="vllm", quantization="w8a8-int8").validate()
+    if scheme == "w8a8-int8":
+        with pytest.raises(UserError, match="enforce_eager mode: add --enforce-eager"):
+            TrainConfig(engine="vllm", quantization=scheme).validate()
+    else:
+        with pytest.raises(UserError, match="vLLM's CPU build serves none of NVFP4"):
+            TrainConfig(engine="vllm", quantization=scheme, enforce_eager=True).validate()
 
 
 def test_train_names_the_quantization_aligned_trainer_and_the_bf16_engine():

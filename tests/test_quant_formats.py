@@ -73,9 +73,11 @@ def test_blockwise_fp8_is_verls_export(verl_python, tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = load_file(str(out))
-    q = formats.fp8_blockwise(inputs()["w"])
-    assert torch.equal(q.codes, theirs["fp8_codes"]) and torch.equal(q.scales, theirs["fp8_descale"].squeeze(-1))
-    assert torch.equal(q.scales[0, 0], torch.tensor(1.0))  # the all-zero tile: scale 1
+    for key in ("w", "w_tiles"):
+        q = formats.fp8_blockwise(inputs()[key])
+        assert torch.equal(q.codes, theirs[f"{key}_fp8_codes"]), key
+        assert torch.equal(q.scales, theirs[f"{key}_fp8_descale"].squeeze(-1)), key
+    assert torch.equal(formats.fp8_blockwise(inputs()["w"]).scales[0, 0], torch.tensor(1.0))  # the zero tile: 1
 
 
 def test_nvfp4_te_convention_from_its_definition():
@@ -159,3 +161,98 @@ def test_the_gpu_check_script_runs_cpu_against_cpu(tmp_path):
               for c in (case.values() if "equal" not in case else [case])]  # fmt: skip
     checks += list(result["linear"].values())
     assert len(checks) == 7 * 2 + 6 + 2 and all(c["equal"] for c in checks)  # codes and scales of 7 formats
+
+
+# --------------------------------------------------------------------- the formats as served layers (emulated)
+
+
+def test_emulated_nvfp4_linear_is_vllms(vllm_outputs):
+    """The NVFP4 layer the reference engine and the trainer compute is vLLM's own emulated NVFP4 linear
+    (run_nvfp4_emulations on a packed NVFP4 weight), bit for bit, each token with its own global scale."""
+    from roundalign.quant import SCHEMES, emulated
+
+    w, x = inputs()["w"].t().contiguous(), inputs()["x"].bfloat16()
+    out = emulated.linear(SCHEMES["nvfp4"])(x, emulated.quantize_weight(w, SCHEMES["nvfp4"]))
+    assert torch.equal(out, vllm_outputs["nvfp4_linear_bf16"])
+
+
+def test_blockwise_fp8_activations_are_vllms_group_quantizer(vllm_outputs):
+    from roundalign.quant import emulated
+
+    codes, scales = emulated.quantize_activations_1x128(inputs()["x"])
+    assert torch.equal(codes, vllm_outputs["fp8_1x128_codes"]) and torch.equal(scales, vllm_outputs["fp8_1x128_scales"])
+
+
+def test_emulated_mx_linears_multiply_the_dequantized_operands():
+    """MXFP8 and MXFP4 W8A8 / W4A4: both operands quantized by the format's quantizer (test_mxfp8_is_vllms_quantizer,
+    test_mxfp4_from_each_definition) and dequantized (exact: a grid value times a power of two), then torch's bf16
+    linear, as vLLM's MX emulation kernels compute it."""
+    from roundalign.quant import SCHEMES, emulated
+
+    x, w = inputs()["x"].bfloat16(), inputs()["w"].t().contiguous()
+    for name, quantize in (("mxfp8", formats.mxfp8), ("mxfp4", formats.mxfp4),
+                           ("mxfp4-vllm", lambda t: formats.mxfp4(t, "vllm"))):  # fmt: skip
+        out = emulated.linear(SCHEMES[name])(x, emulated.quantize_weight(w, SCHEMES[name]))
+        expected = torch.nn.functional.linear(
+            quantize(x.float()).dequantize(torch.bfloat16), quantize(w.float()).dequantize(torch.bfloat16)
+        )
+        assert torch.equal(out, expected), name
+
+
+def test_block_gemm_is_the_definition():
+    """Blockwise FP8's GEMM from its definition, scalar by scalar: for each 128-wide slice in order, the exact dot
+    product of the codes (math.fsum) rounded to fp32, times the activation's scale times the weight block's scale
+    (fp32 products), added to an fp32 accumulator."""
+    from roundalign.quant import emulated
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 256, generator=g) * torch.logspace(-2, 1, 256)
+    w = torch.randn(256, 256, generator=g) * 0.05
+    a, a_scale = emulated.quantize_activations_1x128(x)
+    b = formats.fp8_blockwise(w)
+    out = emulated.block_gemm(a, a_scale, b.codes, b.scales)
+    f32 = ref.f32
+    for m in range(3):
+        for n in range(0, 256, 37):  # a spread of outputs over both weight blocks
+            acc = 0.0
+            for s in range(2):
+                dot = f32(math.fsum(float(a[m, k]) * float(b.codes[n, k]) for k in range(128 * s, 128 * s + 128)))
+                scale = f32(float(a_scale[m, s]) * float(b.scales[n // 128, s]))
+                acc = f32(acc + f32(dot * scale))
+            assert fp32_bits(float(out[m, n])) == fp32_bits(acc), (m, n)
+
+
+def test_nvfp4_fused_projections_share_one_global_scale():
+    """vLLM serves a fused q/k/v (gate/up) NVFP4 layer with one global scale, and llm-compressor writes the shards
+    with the one from their joint amax: 448 * 6 / max(amax_q, amax_k, amax_v)."""
+    import roundalign
+    from roundalign.quant import SCHEMES, emulated
+    from tests.test_engine_matches_trainer import trainer_model
+
+    model = trainer_model("qwen3", num_hidden_layers=1)
+    roundalign.apply(model, "vllm+quantization=nvfp4")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 4, model.config.hidden_size).bfloat16()
+    roundalign.kernels.project(attn, ("q_proj", "k_proj", "v_proj"), x, attn._roundalign_gemm)
+    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    joint = max(float(w.float().abs().max()) for w in weights)
+    assert float(emulated.fused_amax(weights)) == joint
+    shard = emulated.quantize_weight(attn.k_proj.weight, SCHEMES["nvfp4"], emulated.fused_amax(weights))
+    assert float(shard.global_scale) == ref.f32(ref.f32(448.0 * 6.0) / joint)
+
+
+def test_gpu_formats_are_refused_where_they_cannot_run(tmp_path):
+    import roundalign
+    from roundalign.engines.dump import DumpConfig
+    from roundalign.errors import UserError
+    from roundalign.quant import SCHEMES
+    from tests.test_engine_matches_trainer import trainer_model
+
+    with pytest.raises(UserError, match="vLLM's CPU build serves none of NVFP4"):
+        DumpConfig(engine="vllm", quantization="nvfp4", out=str(tmp_path)).validate()
+    with pytest.raises(UserError, match="no kernel for it"):
+        roundalign.apply(trainer_model("qwen3", num_hidden_layers=1), "vllm-0.32-cpu-eager-kernels+quantization=mxfp4")
+    with pytest.raises(UserError, match="blocks of 128 x 128 weights; this layer is 256 x 320"):
+        SCHEMES["fp8-block"].check_shape("down_proj", 256, 320)
+    with pytest.raises(UserError, match="roundalign writes no checkpoint"):
+        SCHEMES["mxfp8"].compressed_tensors_config()

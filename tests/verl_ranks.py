@@ -132,4 +132,59 @@ def actor_run(rank: int, world_size: int, steps: int, lr: float, seed: int) -> l
     return results
 
 
-__all__ = ["CONFIGS", "actor_run", "reference_export", "token_batch"]
+def fp8_run(rank: int, world_size: int, steps: int, lr: float) -> list[dict]:
+    """verl's FP8 rollouts with the aligned trainer: the actor under ``vllm+quantization=fp8-block`` through the hooks.
+    At every weight version, the trainer's served FP8 copy (the codes and descales its forward computed with) and
+    what verl's own quantizer (``FP8QuantizerHelper.quant_weights_by_name``, which its SGLang and TRT-LLM rollouts
+    run on the trainer's export, and ``scaled_fp8_blockwise`` inside vLLM's loader) makes of the exported weights."""
+    import asyncio
+    import os
+
+    os.environ["VERL_DISABLE_TRITON_FP8"] = "1"  # verl's CPU path of scaled_fp8_blockwise (Triton: the same on a GPU)
+    use_cpu_platform()
+    hide_trl_from_verl()
+    from verl.utils.fp8_utils import FP8QuantizerHelper
+
+    import roundalign.integrations.verl as rv
+    from roundalign.kernels import quantized
+
+    rv.uninstall()
+    rv.install(profile="vllm+quantization=fp8-block")
+    torch.manual_seed(0)
+    engine, ids, results = build_engine(lr=lr), token_batch(), []
+    helper = FP8QuantizerHelper({"weight_block_size": [128, 128]})
+    for version in range(steps + 1):
+        if version:
+            _step(engine, ids)
+        with torch.no_grad():
+            logits = engine.module(input_ids=ids).logits  # the served copy of this version, in the trainer
+        ours = {}
+        for name, module in engine.module.named_modules():
+            for proj, q in quantized.served(module).items():
+                ours[f"{name.removeprefix('_fsdp_wrapped_module.')}.{proj}.weight"] = q
+        full, _ = engine.get_per_tensor_param()
+
+        async def collect(full=full):
+            return [item async for item in helper.quant_weights_by_name(full)]
+
+        theirs = dict(asyncio.run(collect()))
+        quantized_names = sorted(n for n in theirs if f"{n}_scale_inv" in theirs)
+        mismatches = [
+            f"{n}: {reason}"
+            for n in quantized_names
+            for reason in (
+                "missing" if n not in ours else
+                "codes" if not torch.equal(theirs[n].float(), ours[n].codes) else
+                "descales" if not torch.equal(theirs[f"{n}_scale_inv"], ours[n].scales) else None,
+            )
+            if reason is not None
+        ]  # fmt: skip
+        results.append(
+            {"logits": logits, "verl": quantized_names, "ours": sorted(ours), "mismatches": mismatches,
+             "dtype": str(theirs[quantized_names[0]].dtype)}
+        )  # fmt: skip
+    rv.uninstall()
+    return results
+
+
+__all__ = ["CONFIGS", "actor_run", "fp8_run", "reference_export", "token_batch"]

@@ -312,7 +312,7 @@ class Engine:
         (``roundalign.sync.Exporter(..., scheme=)``'s export, ``quant.checkpoint.served_state_dict``): it then serves
         exactly those codes, as vLLM serves the checkpoint, instead of quantizing the weights again."""
         scheme = self.profile.quantization
-        if not (scheme.quantized and not scheme.online and isinstance(state_dict, dict)):
+        if not (scheme.quantized and not scheme.from_bf16 and isinstance(state_dict, dict)):
             self.weights.load(state_dict, sync, seed)
             return
         from roundalign.quant import checkpoint

@@ -39,6 +39,7 @@ from roundalign.engine.loader import head_dim, rope_inv_freq
 from roundalign.engine.native import cos_sin_cache
 from roundalign.numerics import formulas
 from roundalign.profiles import CosSinDtype, GemmKernel, Profile, QKNormRule, ResidualRule
+from roundalign.quant import emulated
 from roundalign.quant.grid import activation_gemm, served_codes
 
 # The profile's formulas are roundalign.numerics.formulas, the functions roundalign.ops' torch.library ops run.
@@ -88,6 +89,14 @@ class KernelsModel:
         # the codes load_weights was given (a quantized checkpoint's tensors: quant.grid.serve).
         self.quant = profile.quantization if profile.quantization.quantized else None
         self._quantized = {}  # id(weight) -> (its version, Quantized, dequantized weight)
+        self._fused = {}  # id(weight) -> the weights of the projections the engine fuses it with (q/k/v, gate/up)
+        for layer in self.weights.model.layers:
+            for mod, names in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                (layer.mlp, ("gate_proj", "up_proj")),
+            ):
+                group = [getattr(mod, n).weight for n in names if hasattr(mod, n)]
+                self._fused.update({id(w): group for w in group})
         rope = profile.rope_for(self.head_dim)
         # fused_into_rope: q/k go from the norm into RoPE in fp32 and round once at RoPE's output, whatever the
         # profile's RoPE rounding (which still applies to families without a q/k norm), as roundalign.apply does.
@@ -108,6 +117,14 @@ class KernelsModel:
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])
         return linear(x, lin.weight, lin.bias, rows)
 
+    def _served(self, w: torch.Tensor):
+        """``w`` on the scheme's grid. An emulated NVFP4 engine gives the projections vLLM fuses (q/k/v, gate/up) one
+        global scale, from their bf16 weights' joint amax, as llm-compressor writes them and vLLM serves them."""
+        if self.quant.emulated and self.quant.weights == "nvfp4":
+            siblings = self._fused.get(id(w), [w])
+            return served_codes(w, self.quant, emulated.fused_amax(siblings))[0]
+        return served_codes(w, self.quant)[0]
+
     def _quantized_linear(self, x: torch.Tensor, lin, step: Step) -> torch.Tensor:
         """A served quantized linear: W8A8 int8 and FP8 as vLLM's CPU kernels compute them (``quant.grid.int8_linear``,
         ``fp8_linear``: its activation quantizer, GEMM and epilogue), weight-only schemes as a 16-bit GEMM on the
@@ -115,11 +132,11 @@ class KernelsModel:
         w = lin.weight
         hit = self._quantized.get(id(w))
         if hit is None or hit[0] != w._version or hit[3] is not getattr(w, "_roundalign_served", None):
-            q = served_codes(w, self.quant)[0]  # the codes load_weights was given, or w quantized
+            q = self._served(w)  # the codes load_weights was given, or w quantized
             hit = self._quantized[id(w)] = (
                 w._version,
                 q,
-                q.dequantize(w.dtype),
+                emulated.dequantize(q, w.dtype) if self.quant.emulated else q.dequantize(w.dtype),
                 getattr(w, "_roundalign_served", None),
             )
         rows = [(r, 1) for r in range(x.shape[0])] if self.rowwise_gemm else step.gemm_rows(x.shape[0])

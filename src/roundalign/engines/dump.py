@@ -77,6 +77,7 @@ class DumpConfig:
             from roundalign.quant import Scheme
 
             scheme = Scheme.parse(self.quantization)
+            scheme.check_vllm_cpu()
             if self.engine != "vllm":
                 raise UserError("--quantization is served by vLLM's compressed-tensors support: use --engine vllm")
             if served is not None and served != scheme.name:

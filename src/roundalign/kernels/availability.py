@@ -15,6 +15,12 @@ from roundalign.profiles import AttentionKernel, ForwardKernel, GemmKernel, Prof
 def check(profile: Profile, model) -> None:
     """Raise a clear error, at ``apply`` time, where this model cannot run the profile's kernels here."""
     config = model.config
+    if profile.quantization.emulated and profile.gemm is GemmKernel.VLLM_CPU:
+        raise UserError(
+            f"{profile.quantization} is a GPU format: vLLM's CPU build has no kernel for it, so the trainer cannot "
+            f"take vLLM's. Its emulation runs under the reference engine's profile (vllm-reference-kernels+"
+            f"quantization={profile.quantization}) or the aligned one (vllm+quantization={profile.quantization})"
+        )
     if profile.forward is ForwardKernel.VLLM_CPU_COMPILED:
         if (profile.attention, profile.gemm) != (AttentionKernel.VLLM_CPU, GemmKernel.VLLM_CPU):
             raise UserError(

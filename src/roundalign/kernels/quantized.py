@@ -14,6 +14,9 @@ them) and computes the layer at one of two levels, chosen by the profile's GEMM 
   ISA vLLM picks on this CPU.
 - ``reference``: the aligned computation, one call per row (the reference engine's decode).
 
+The GPU formats (NVFP4, MXFP4, MXFP8, blockwise FP8) have no vLLM CPU kernel: they run the engines' emulation
+(``roundalign.quant.emulated``) at the ``torch`` and ``reference`` levels.
+
 **Backward: straight-through.** The forward's weight is the dequantized served copy ``Q(W)``; the gradient is that
 of ``x @ Q(W)^T`` with ``dQ/dW = I``: ``dx = g @ Q(W)`` (the dequantized weight, bf16) and ``dW = g^T x``, which
 reaches the fp32 master as a bf16 linear's weight gradient does. This is the estimator quantization-aware training
@@ -28,11 +31,14 @@ copy, the codes it gave the weights (``quant.grid.serve``) are the ones served.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from roundalign.kernels.engine_gemm import _concat, _EngineLinear, _holds, fused_parts
 from roundalign.profiles import GemmKernel
+from roundalign.quant import emulated
 from roundalign.quant.grid import Quantized, activation_gemm, served_codes
 from roundalign.quant.schemes import Scheme
 
@@ -68,17 +74,24 @@ def _served(module, key: str, weights, biases, scheme: Scheme, gemm: GemmKernel)
         and all(a is b for a, b in zip(hit[5], given, strict=True))
     )
     if not fresh:
-        old = cache.pop(key, (None, None, None, None, None, None))
+        old = cache.pop(key, (None,) * 7)
         del hit
         with torch.no_grad():
             source = _concat(weights, old[1])
             bias = _concat(biases, old[2]) if biases else None
-            parts = [served_codes(w, scheme)[0] for w in weights]
-            fused = Quantized.cat(parts)
-            dequantized = fused.dequantize(weights[0].dtype)
+            if scheme.emulated:  # a GPU format (quant.emulated): NVFP4's fused projections share a global scale
+                amax = emulated.fused_amax(weights) if scheme.weights == "nvfp4" else None
+                parts = [served_codes(w, scheme, amax)[0] for w in weights]
+                fused = emulated.cat(parts)
+                dequantized = emulated.dequantize(fused, weights[0].dtype)
+            else:
+                parts = [served_codes(w, scheme)[0] for w in weights]
+                fused = Quantized.cat(parts)
+                dequantized = fused.dequantize(weights[0].dtype)
         del old
         run = _run(scheme, gemm, parts, fused, dequantized, bias)
-        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, run, given)
+        rows = [w.shape[0] for w in weights]
+        hit = cache[key] = ((scheme, gemm), source, bias, dequantized, run, given, (fused, rows))
     return hit[3], hit[4]
 
 
@@ -95,4 +108,27 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, s
     return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)]
 
 
-__all__ = ["project"]
+def served(module) -> dict[str, object]:
+    """The served copy this module's projections computed with in their last forward, by projection name (``q_proj``,
+    ...): each a ``Quantized``, or an emulated format's ``Blocked``. What an audit compares with the engine's weights
+    (the verl FP8 check does)."""
+    out = {}
+    for key, hit in module.__dict__.get("_roundalign_quant_cache", {}).items():
+        fused, rows = hit[6]
+        start = 0
+        for name, n in zip(key.split(","), rows, strict=True):
+            out[name] = _rows(fused, start, n)
+            start += n
+    return out
+
+
+def _rows(q, start: int, n: int):
+    """Rows ``[start, start + n)`` of a fused served copy, with their scales."""
+    if isinstance(q, Quantized):
+        zp = None if q.zero_point is None else q.zero_point[start : start + n]
+        return Quantized(q.codes[start : start + n], q.scale[start : start + n], zp)
+    per = q.block[0]  # rows per scale: 1, or 128 for blockwise FP8
+    return dataclasses.replace(q, codes=q.codes[start : start + n], scales=q.scales[start // per : (start + n) // per])
+
+
+__all__ = ["project", "served"]

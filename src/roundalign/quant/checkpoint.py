@@ -78,9 +78,9 @@ def served_state_dict(state_dict: dict[str, torch.Tensor], scheme: Scheme, quant
     rest in bf16), or for a scheme vLLM quantizes itself at load (``fp8-online``) the bf16 copy it quantizes.
     ``quantized``: ``quantize_state_dict``'s result where the caller has it already. A state dict that already is
     a checkpoint's tensors (an export's: ``roundalign.sync.Exporter(..., scheme=)``) is returned as it is."""
-    if not scheme.online and is_checkpoint(state_dict):
+    if not scheme.from_bf16 and is_checkpoint(state_dict):
         return {k: v.contiguous() for k, v in state_dict.items()}
-    if scheme.online:
+    if scheme.from_bf16:
         return {
             k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach() for k, v in state_dict.items()
         }

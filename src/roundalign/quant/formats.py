@@ -102,7 +102,9 @@ def _reciprocal(t: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_global_scale(amax: torch.Tensor, convention: str) -> torch.Tensor:
     """The fp32 global scale of a tensor with absolute maximum ``amax``, as ``convention`` stores it: vLLM's is
-    ``448 * 6 / amax`` (it quantizes by multiplying), TransformerEngine's ``amax / (448 * 6)``."""
+    ``448 * 6 / amax`` (it quantizes by multiplying), TransformerEngine's ``amax / (448 * 6)``. vLLM's is computed
+    as compressed-tensors' ``generate_gparam`` writes it, a Python float over a tensor: ``reciprocal(amax) * 2688``
+    in torch, not a true division."""
     amax = amax.float()
     if convention == "vllm":
         return (E4M3_MAX * E2M1_MAX) / amax
@@ -170,7 +172,9 @@ def fp8_blockwise(w: torch.Tensor, block: int = 128) -> Blocked:
     codes and the stored descale ``1 / (448 / amax)`` per tile (1 for an all-zero or infinite tile)."""
     b = _blocks(w, block, block).float()
     amax = b.abs().amax(-1, keepdim=True)
-    scale = E4M3_MAX / amax
+    # A true division, as verl's torch.div(448, amax) computes it. (Python's ``448.0 / tensor`` is not one: torch
+    # computes it as ``reciprocal(tensor) * 448``, which differs in the last bit for about a quarter of values.)
+    scale = torch.div(torch.tensor(E4M3_MAX), amax)
     scale = torch.where((amax == 0) | (amax == torch.inf), torch.ones_like(scale), scale)
     codes = (b * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
     return Blocked(_unblocks(codes, block, block), torch.reciprocal(scale)[..., 0], (block, block))

@@ -64,12 +64,18 @@ def serve(weight: torch.Tensor, q: Quantized) -> None:
     weight._roundalign_served = (weight._version, q)
 
 
-def served_codes(weight: torch.Tensor, scheme: Scheme) -> tuple[Quantized, bool]:
+def served_codes(weight: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = None) -> tuple[Quantized, bool]:
     """``(the grid copy of weight, whether it is one given by serve)``: the codes ``serve`` gave it while its data
-    is unchanged since (an in-place change bumps the tensor's version), else ``quantize_weight(weight, scheme)``."""
+    is unchanged since (an in-place change bumps the tensor's version), else ``quantize_weight(weight, scheme)``
+    (for an emulated GPU format ``quant.emulated.quantize_weight``, with ``amax`` its fused projections' absolute
+    maximum: ``emulated.fused_amax``)."""
     hit = getattr(weight, "_roundalign_served", None)
     if hit is not None and hit[0] == weight._version:
         return hit[1], True
+    if scheme.emulated:  # a GPU format: a Blocked (quant.emulated)
+        from roundalign.quant import emulated
+
+        return emulated.quantize_weight(weight, scheme, amax), False
     return quantize_weight(weight, scheme), False
 
 
@@ -96,6 +102,8 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, source: str = "bf16") -> Qu
     the stored scale)."""
     if not scheme.quantized:
         raise ValueError("quantize_weight: the 'none' scheme serves bf16 weights")
+    if scheme.emulated:
+        raise ValueError(f"{scheme} is an emulated GPU format: quantize it with quant.emulated.quantize_weight")
     if source not in ("bf16", "fp32"):
         raise ValueError(f"source must be 'bf16' or 'fp32', got {source!r}")
     if scheme.online:
@@ -178,8 +186,13 @@ def fp8_linear(x: torch.Tensor, weight: Quantized, bias: torch.Tensor | None = N
 
 
 def activation_gemm(scheme: Scheme):
-    """The layer of a scheme that quantizes activations (``int8_linear``, ``fp8_linear``: ``(x, Quantized, bias)``),
-    or None for a weight-only scheme, which multiplies by the dequantized weight."""
+    """The layer of a scheme that quantizes activations (``int8_linear``, ``fp8_linear``: ``(x, Quantized, bias)``;
+    an emulated GPU format's ``quant.emulated.linear``: ``(x, Blocked, bias)``), or None for a weight-only scheme,
+    which multiplies by the dequantized weight."""
+    if scheme.emulated:
+        from roundalign.quant import emulated
+
+        return emulated.linear(scheme)
     return {"int8-token": int8_linear, "fp8-token": fp8_linear, "none": None}[scheme.activations]
 
 

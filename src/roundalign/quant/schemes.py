@@ -16,6 +16,11 @@ points), and ``fp8`` (llm-compressor's FP8_DYNAMIC: E4M3 per-channel weights, dy
 vLLM's CPU build fails to load per-tensor FP8, so there is no per-tensor scheme); ``fp8-online`` is vLLM quantizing
 the bf16 checkpoint itself at load (``quantization="fp8_per_channel"``), in its own arithmetic. ``none`` is the bf16
 engine.
+
+The GPU formats (``nvfp4``, ``nvfp4-te``, ``mxfp4``, ``mxfp4-vllm``, ``mxfp8``, ``fp8-block``) are served by GPU
+engines only; here the reference engine and the trainer compute them by emulation from their definitions
+(``roundalign.quant.emulated``), both operands quantized, from the bf16 weights. Nothing of them is measured
+against a GPU engine yet (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -26,7 +31,17 @@ from roundalign.errors import UserError
 
 # The linear layers a dense decoder serves quantized (compressed-tensors' targets ["Linear"], ignore ["lm_head"]).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHT_GRIDS = {"int8": (-128, 127), "int4": (-8, 7), "fp8": (-448.0, 448.0)}  # (lowest, highest) code
+WEIGHT_GRIDS = {
+    "int8": (-128, 127),
+    "int4": (-8, 7),
+    "fp8": (-448.0, 448.0),
+    # the GPU formats' element grids: E2M1 (FP4) and E4M3, each value times its block's scale
+    "nvfp4": (-6.0, 6.0),
+    "mxfp4": (-6.0, 6.0),
+    "mxfp8": (-448.0, 448.0),
+    "fp8-block": (-448.0, 448.0),
+}  # (lowest, highest) code; fmt: skip
+BITS = {"int8": 8, "int4": 4, "fp8": 8, "nvfp4": 4, "mxfp4": 4, "mxfp8": 8, "fp8-block": 8}
 
 
 @dataclass(frozen=True)
@@ -35,13 +50,18 @@ class Scheme:
 
     name: str
     weights: str = "bf16"  # "bf16" (no quantization), or a key of WEIGHT_GRIDS
-    strategy: str = "channel"  # "channel" or "group": one scale per output row, or per group of its inputs
+    strategy: str = "channel"  # "channel", "group" (per group of a row's inputs) or "block" (a GPU format's blocks)
     group_size: int | None = None  # inputs per scale under "group"
     symmetric: bool = True  # False: a zero point per scale (codes shifted by it)
     activations: str = "none"  # "none" (bf16 activations), "int8-token" or "fp8-token" (dynamic, one scale per row)
     # vLLM quantizes the bf16 checkpoint itself at load (its ``quantization=`` argument, e.g. "fp8_per_channel"),
     # in its own arithmetic (fp32 scales), instead of serving a quantized checkpoint: None for checkpoint schemes.
     online: str | None = None
+    # A GPU format (NVFP4, MXFP4, MXFP8, blockwise FP8) that the reference engine and the trainer emulate from its
+    # definition (roundalign.quant.emulated); ``convention``: whose rounding or scale convention, where sources
+    # differ (NVFP4: "vllm" or "te"; MXFP4: "ocp" or "vllm").
+    emulated: bool = False
+    convention: str = ""
     description: str = ""
 
     def __str__(self) -> str:
@@ -56,13 +76,19 @@ class Scheme:
         return self.activations == "none"
 
     @property
+    def from_bf16(self) -> bool:
+        """Whether the engine is given the bf16 copy and quantizes it itself (an online scheme, an emulated GPU
+        format) rather than a quantized checkpoint: Fair Cast then exports the bf16 copy."""
+        return self.online is not None or self.emulated
+
+    @property
     def grid(self) -> tuple:
         """(lowest, highest) weight code."""
         return WEIGHT_GRIDS[self.weights]
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4, "fp8": 8}[self.weights]
+        return BITS[self.weights]
 
     @classmethod
     def parse(cls, value: str | Scheme, what: str = "quantization") -> Scheme:
@@ -75,6 +101,15 @@ class Scheme:
 
     def check_shape(self, name: str, out_features: int, in_features: int) -> None:
         """Refuse a weight the engine's kernel cannot serve in this scheme, naming the constraint."""
+        if self.emulated:
+            rows, cols = {"nvfp4": (1, 16), "mxfp4": (1, 32), "mxfp8": (1, 32), "fp8-block": (128, 128)}[self.weights]
+            if in_features % cols or out_features % rows:
+                raise UserError(
+                    f"{name}: {self} scales blocks of {rows} x {cols} weights; this layer is {out_features} x "
+                    f"{in_features}, not a multiple of that. Choose a format whose blocks divide every linear layer "
+                    "(nvfp4 blocks 16 inputs, mxfp4 and mxfp8 32), or none"
+                )
+            return
         if self.strategy == "group" and in_features % self.group_size:
             raise UserError(
                 f"{name}: {in_features} inputs are not a multiple of {self}'s group size {self.group_size}; choose a "
@@ -86,11 +121,26 @@ class Scheme:
                 f"32; this layer is {out_features} x {in_features}. Serve it in w8a8-int8 or bf16"
             )
 
+    def check_vllm_cpu(self) -> None:
+        """Refuse a GPU format where vLLM's CPU build would serve it (it serves none of them), naming the fix."""
+        if self.emulated:
+            raise UserError(
+                f"{self} is a GPU format; vLLM's CPU build serves none of NVFP4, MXFP4, MXFP8 or blockwise FP8. "
+                "roundalign emulates it in its reference engine and trainer (drop --engine vllm); with vLLM here, "
+                "serve w8a8-int8, w4a16 or fp8"
+            )
+
     def compressed_tensors_config(self) -> dict:
         """The ``quantization_config`` block of a compressed-tensors checkpoint in this scheme (the format vLLM's
         ``CompressedTensorsConfig`` reads): one config group over every ``Linear``, the lm_head left in bf16."""
         if not self.quantized:
             raise UserError("the bf16 scheme ('none') has no quantization config; a bf16 checkpoint is plain HF")
+        if self.emulated:
+            raise UserError(
+                f"{self} is a GPU format that roundalign emulates in its reference engine and trainer; vLLM's CPU "
+                "build serves none of the GPU formats, so roundalign writes no checkpoint in it. Use a scheme vLLM's "
+                "CPU build serves (w8a8-int8, w4a16, fp8), or the reference engine"
+            )
         if self.online:
             raise UserError(
                 f"{self} is quantized by vLLM itself at load (quantization={self.online!r}) from the bf16 "
@@ -170,6 +220,29 @@ SCHEMES: dict[str, Scheme] = {
                description="4-bit weights in groups of 128 inputs, with a zero point per group; bf16 activations"),
         Scheme("w4a16-g32-zp", weights="int4", strategy="group", group_size=32, symmetric=False,
                description="4-bit weights in groups of 32 inputs, with a zero point per group; bf16 activations"),
+        # The GPU formats, emulated (roundalign.quant.emulated: what each computes, and from which source).
+        Scheme("nvfp4", weights="nvfp4", strategy="block", group_size=16, activations="nvfp4", emulated=True,
+               convention="vllm",
+               description="NVFP4 W4A4 (E2M1 values, an E4M3 scale per 16, an fp32 global scale), vLLM's reference "
+               "quantizer and emulated linear; activations' global scale from each token's amax"),
+        Scheme("nvfp4-te", weights="nvfp4", strategy="block", group_size=16, activations="nvfp4", emulated=True,
+               convention="te",
+               description="NVFP4 W4A4 in TransformerEngine's convention (the global scale stored as amax / "
+               "(448 * 6), dividing)"),
+        Scheme("mxfp4", weights="mxfp4", strategy="block", group_size=32, activations="mxfp4", emulated=True,
+               convention="ocp",
+               description="MXFP4 W4A4 (E2M1 values, a power-of-two E8M0 scale per 32), the OCP reference's "
+               "rounding"),
+        Scheme("mxfp4-vllm", weights="mxfp4", strategy="block", group_size=32, activations="mxfp4", emulated=True,
+               convention="vllm",
+               description="MXFP4 W4A4 with vLLM's shared exponent (amax rounded up a binade from 1.75) and "
+               "ties-to-even elements"),
+        Scheme("mxfp8", weights="mxfp8", strategy="block", group_size=32, activations="mxfp8", emulated=True,
+               description="MXFP8 W8A8 (E4M3 values, a power-of-two E8M0 scale per 32)"),
+        Scheme("fp8-block", weights="fp8-block", strategy="block", group_size=128, activations="fp8-1x128",
+               emulated=True,
+               description="blockwise FP8 (DeepSeek-style, verl's FP8 rollouts): E4M3 weights with an fp32 scale per "
+               "128 x 128 block, activations with a dynamic fp32 scale per 1 x 128"),
     ]
 }  # fmt: skip
 
@@ -185,7 +258,7 @@ def from_compressed_tensors(config: dict) -> Scheme:
         )
     w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
     for scheme in SCHEMES.values():
-        if not scheme.quantized or scheme.online:
+        if not scheme.quantized or scheme.from_bf16:
             continue
         ours = scheme.compressed_tensors_config()["config_groups"]["group_0"]
         keys = ("num_bits", "type", "symmetric", "strategy", "group_size")
@@ -196,9 +269,10 @@ def from_compressed_tensors(config: dict) -> Scheme:
         )
         if same_w and same_a:
             return scheme
+    known = ", ".join(s for s, v in SCHEMES.items() if v.quantized and not v.from_bf16)
     raise UserError(
-        f"this checkpoint's quantization (weights {w}, activations {a}) is none of the schemes roundalign computes "
-        f"({', '.join(s for s in SCHEMES if s != 'none')}); docs/quantization.md lists what each one is"
+        f"this checkpoint's quantization (weights {w}, activations {a}) is none of the schemes roundalign reads "
+        f"from a checkpoint ({known}); docs/quantization.md lists what each one is"
     )
 
 

@@ -264,6 +264,8 @@ class TrainConfig:
             from roundalign.quant import Scheme
 
             scheme = Scheme.parse(self.quantization)
+            if self.engine == "vllm":
+                scheme.check_vllm_cpu()
             if self.engine == "vllm" and not self.enforce_eager:
                 raise UserError(
                     "--quantization with --engine vllm is reproduced in vLLM's enforce_eager mode: add --enforce-eager"

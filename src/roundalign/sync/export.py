@@ -509,12 +509,12 @@ class Exporter:
 
 def _grid_scheme(scheme, dtype: torch.dtype):
     """The quantization scheme an exporter writes the grid of, or None where the engine is served a 16-bit copy:
-    the bf16 engine ('none'), and a scheme the engine quantizes itself at load (fp8-online), whose Fair Cast is
-    the 16-bit export of the copy it quantizes."""
+    the bf16 engine ('none'), and a scheme the engine quantizes itself at load (fp8-online, an emulated GPU format),
+    whose Fair Cast is the 16-bit export of the copy it quantizes."""
     from roundalign.quant.schemes import Scheme
 
     scheme = Scheme.parse(scheme)
-    if not scheme.quantized or scheme.online:
+    if not scheme.quantized or scheme.from_bf16:
         return None
     if dtype != torch.bfloat16:
         raise ValueError(f"a quantized engine ({scheme}) serves a bf16 model; export with dtype=torch.bfloat16")

@@ -56,6 +56,8 @@ class VllmEngine:
         # A quantized engine serves the checkpoint written to served_dir (or quantizes the bf16 model itself, for
         # an online scheme); every load_weights quantizes the new weights and reloads them in place.
         self.scheme = Scheme.parse(quantization) if quantization else None
+        if self.scheme is not None:
+            self.scheme.check_vllm_cpu()
         serve, online = Path(model_dir), {}
         if self.scheme is not None and self.scheme.online:
             online = {"quantization": self.scheme.online}
