@@ -2,12 +2,17 @@
 stock bf16 trainer, the rounding profile, the quantization-aligned trainer and the exact one, on two models.
 
     .venv-vllm/bin/python scripts/quant_table.py OUT_DIR [--samples 16] [--tokens 48]
+    .venv/bin/python scripts/quant_table.py OUT_DIR --emulated    # the GPU formats, on the reference engine
 
 Runs ``roundalign probe --engine vllm --enforce-eager --quantization SCHEME`` (vLLM samples from the checkpoint
 roundalign writes; every trainer scores the same completions) on the shipped Qwen3 and on the test suite's
 higher-entropy Llama (head_dim 128, tests/wide_model.py), and prints one Markdown row per scheme and trainer, with
 the mean entropy of each model at the sampled tokens and each probe's wall time. Needs vLLM in this Python (the
 exact trainer runs its layers).
+
+``--emulated``: the GPU formats instead (NVFP4, MXFP4, MXFP8, blockwise FP8), which vLLM's CPU build does not serve:
+the reference engine serves each (``roundalign.quant.emulated``) and samples, and the same four trainers score its
+completions, the exact one being the reference engine's own profile.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("none", "w8a8-int8", "w4a16", "w4a16-g32-zp", "fp8", "fp8-online")
+EMULATED = ("nvfp4", "nvfp4-te", "mxfp4", "mxfp4-vllm", "mxfp8", "fp8-block")
 LEVELS = ("stock bf16", "rounding only", "quantization-aligned", "exact")
 
 
@@ -33,12 +39,13 @@ def _models(out: Path) -> dict[str, Path]:
     return {"shipped Qwen3 (head_dim 64)": models.path(), "Llama (head_dim 128)": build_llama(out / "llama")}
 
 
-def _probe(model: Path, scheme: str, out: Path, samples: int, tokens: int) -> tuple[dict, float]:
-    from roundalign.engines.vllm.profile import trainer_profile
-
-    cmd = [sys.executable, "-m", "roundalign", "probe", "--engine", "vllm", "--enforce-eager", "--model", str(model),
-           "--num-samples", str(samples), "--max-tokens", str(tokens), "--no-plots", "--out", str(out)]  # fmt: skip
+def _probe(model: Path, scheme: str, out: Path, samples: int, tokens: int, emulated: bool) -> tuple[dict, float]:
+    engine = [] if emulated else ["--engine", "vllm", "--enforce-eager"]
+    cmd = [sys.executable, "-m", "roundalign", "probe", *engine, "--model", str(model), "--num-samples",
+           str(samples), "--max-tokens", str(tokens), "--no-plots", "--out", str(out)]  # fmt: skip
     if scheme == "none":
+        from roundalign.engines.vllm.profile import trainer_profile
+
         exact = trainer_profile(enforce_eager=True)
         rounding = exact.removesuffix("-kernels")
         cmd += ["--trainer-profiles", f"hf,{rounding},{exact}"]
@@ -57,12 +64,14 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--emulated", action="store_true", help="the GPU formats, on the reference engine")
     args = parser.parse_args()
     print("| model (entropy) | scheme | trainer | bitwise equal | k3_kl | RMS log-ratio | probe wall time |")
     print("|---|---|---|---|---|---|---|")
     for label, model in _models(args.out).items():
-        for scheme in SCHEMES:
-            report, seconds = _probe(model, scheme, args.out / f"{model.name}-{scheme}", args.samples, args.tokens)
+        for scheme in EMULATED if args.emulated else SCHEMES:
+            out = args.out / f"{model.name}-{scheme}"
+            report, seconds = _probe(model, scheme, out, args.samples, args.tokens, args.emulated)
             entropy = report["tokens"]["mean_entropy_nats"]
             rows = [c for c in report["comparisons"] if c["reference"] == "decode"]
             levels = LEVELS if scheme != "none" else (LEVELS[0], LEVELS[1], LEVELS[3])

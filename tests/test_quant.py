@@ -339,10 +339,10 @@ def test_the_compiled_forward_refuses_a_quantized_engine():
         roundalign.apply(model, "vllm-0.32-cpu-compiled-kernels+quantization=w8a8-int8")
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8", "nvfp4", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "fp8-block"])
 def test_train_on_a_quantized_reference_engine_is_exactly_on_policy(scheme, tmp_path):
     """``roundalign train --quantization SCHEME`` with the reference engine (re-quantized after every weight sync),
-    for a scheme vLLM's CPU build serves and two emulated GPU formats: the trainer with the same profile has
+    for a scheme vLLM's CPU build serves and an emulated GPU format: the trainer with the same profile has
     k3_kl = 0 at every step; the stock bf16 trainer does not."""
     from roundalign.rl.config import TrainConfig
     from roundalign.rl.logbook import read_metrics

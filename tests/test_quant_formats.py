@@ -159,8 +159,11 @@ def test_the_gpu_check_script_runs_cpu_against_cpu(tmp_path):
     result = json.loads(out.read_text())
     checks = [c for group in ("formats", "grid_export") for case in result[group].values()
               for c in (case.values() if "equal" not in case else [case])]  # fmt: skip
-    checks += list(result["linear"].values())
-    assert len(checks) == 7 * 2 + 6 + 2 and all(c["equal"] for c in checks)  # codes and scales of 7 formats
+    checks += [*result["linear"].values(), *result["emulated_linear"].values(), result["fp8_block_scaled_mm"]]
+    checks += list(result["trainer"].values())
+    # codes and scales of 7 formats, 6 grid exports, 2 linears, 6 emulated linears, the block GEMM, 9 trainers
+    assert len(checks) == 7 * 2 + 6 + 2 + 6 + 1 + 9, len(checks)
+    assert all(c["equal"] for c in checks), [c for c in checks if not c["equal"]]
 
 
 # --------------------------------------------------------------------- the formats as served layers (emulated)
