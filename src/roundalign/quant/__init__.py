@@ -1,5 +1,6 @@
 """Quantized rollouts: the scheme an engine serves (``schemes``), its quantizers (``grid``), the served
-checkpoint (``checkpoint``), and the GPU formats' quantizers from their definitions (``formats``).
+checkpoint (``checkpoint``), the GPU formats' quantizers from their definitions (``formats``) and their layers as
+the reference engine and the trainer emulate them (``emulated``).
 
 The trainer side (the linear layers computed as the quantized engine computes them) is ``roundalign.kernels``'
 ``quantized`` and ``vllm_quant``; a profile carries the scheme (``Profile.quantization``). docs/quantization.md
@@ -24,7 +25,7 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    if name in ("checkpoint", "formats", "grid", "schemes"):
+    if name in ("checkpoint", "emulated", "formats", "grid", "schemes"):
         return importlib.import_module(f"roundalign.quant.{name}")
     if name not in _LAZY:
         raise AttributeError(f"module 'roundalign.quant' has no attribute {name!r}")
