@@ -21,9 +21,8 @@ import json
 import re
 import sys
 import sysconfig
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "requirements"

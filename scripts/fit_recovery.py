@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from roundalign.probe.trainer import Rollout, load_trainer_model
-
 from roundalign.fit import fit
 from roundalign.fit.dumps import reference_dump
+from roundalign.probe.trainer import Rollout, load_trainer_model
 from roundalign.profiles import list_profiles
 
 

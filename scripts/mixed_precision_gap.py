@@ -20,12 +20,12 @@ import contextlib
 
 import torch
 import transformers
-from roundalign.probe.metrics import mismatch_metrics
-from roundalign.probe.trainer import Rollout, TrainerSide
 
 import roundalign
 import roundalign.models
 from roundalign.engine import Engine, SamplingParams
+from roundalign.probe.metrics import mismatch_metrics
+from roundalign.probe.trainer import Rollout, TrainerSide
 from roundalign.tasks import arithmetic
 
 

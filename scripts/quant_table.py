@@ -32,9 +32,8 @@ LEVELS = ("stock bf16", "rounding only", "quantization-aligned", "exact")
 
 def _models(out: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT))
-    from tests.wide_model import build_llama
-
     from roundalign import models
+    from tests.wide_model import build_llama
 
     return {"shipped Qwen3 (head_dim 64)": models.path(), "Llama (head_dim 128)": build_llama(out / "llama")}
 

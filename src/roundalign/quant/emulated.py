@@ -38,7 +38,9 @@ from roundalign.quant import formats
 from roundalign.quant.formats import E2M1_MAX, E4M3_MAX, Blocked
 from roundalign.quant.schemes import Scheme
 
-FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's floor on a dynamic FP8 scale
+# vLLM's floor on a dynamic FP8 scale (quant.grid.FP8_MIN_SCALE, restated: grid dispatches to this module, so
+# importing it from there would close an import circle)
+FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = None) -> Blocked:
@@ -121,7 +123,7 @@ def block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     exact = torch.bmm(a.double().view(m, slices, 128).transpose(0, 1), b.double().view(n, slices, 128).permute(1, 2, 0))
     partial = exact.float()  # (slices, M, N)
     b_full = b_scale.repeat_interleave(128, 0)  # (N, slices)
-    out = torch.zeros(m, n, dtype=torch.float32)
+    out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for i in range(slices):
         out += partial[i] * (a_scale[:, i : i + 1] * b_full[:, i][None, :])
     return out

@@ -40,7 +40,7 @@ WEIGHT_GRIDS = {
     "mxfp4": (-6.0, 6.0),
     "mxfp8": (-448.0, 448.0),
     "fp8-block": (-448.0, 448.0),
-}  # (lowest, highest) code; fmt: skip
+}  # (lowest, highest) code
 BITS = {"int8": 8, "int4": 4, "fp8": 8, "nvfp4": 4, "mxfp4": 4, "mxfp8": 8, "fp8-block": 8}
 
 
