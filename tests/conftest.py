@@ -75,15 +75,3 @@ VERL_PYTHON_ENV = "ROUNDALIGN_VERL_PYTHON"
 def verl_python() -> str:
     """The Python of verl's loop (.venv-verl, or $ROUNDALIGN_VERL_PYTHON)."""
     return _venv_python(VERL_PYTHON_ENV, ".venv-verl", "verl", "verl 0.9.1 with vLLM's CPU build")
-
-
-@pytest.fixture(scope="session")
-def compiled_forward_applies(engine_python) -> bool:
-    """Whether vLLM's compiled forward can run in the trainer on this CPU (``roundalign.kernels.graph``): where vLLM's
-    CPU GEMM is torch's (AVX2). Elsewhere (Intel AMX, oneDNN bf16) ``apply`` must refuse it, naming the GEMM."""
-    import subprocess
-
-    code = "from roundalign.engines.vllm.profile import torch_gemm; print(torch_gemm())"
-    proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip().splitlines()[-1] == "True"

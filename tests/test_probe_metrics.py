@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from roundalign.numerics.bf16 import bf16_ulp_distance, bf16_ulps_of_larger
 from roundalign.numerics.metrics import (
     METRIC_KEYS,
     SAFETY_BOUND,
-    bf16_ulp_distance,
     layer_agreement,
     log_ratios,
     mismatch_metrics,
@@ -329,11 +329,31 @@ def test_layer_agreement_hand_computed():
     moved[0, 0] = torch.nextafter(torch.nextafter(torch.nextafter(h1[0, 0], up[0, 0]), up[0, 0]), up[0, 0])
     h1[1, 1], moved[1, 1] = 0.0, -0.0  # equal values, different bits
     rows = layer_agreement([h0, moved], [h0.clone(), h1])
-    assert rows[0] == {"layer": 0, "equal_frac": 1.0, "max_ulp": 0, "mean_abs_diff": 0.0}
+    assert rows[0] == {"layer": 0, "equal_frac": 1.0, "differ": 0, "max_ulp": 0, "mean_abs_diff": 0.0}
     assert rows[1]["layer"] == 1
     assert rows[1]["equal_frac"] == 30 / 32
+    assert rows[1]["differ"] == 1  # +0 against -0: other bits, the same value
     assert rows[1]["max_ulp"] == 3
     assert rows[1]["mean_abs_diff"] == approx(abs(float(moved[0, 0]) - float(h1[0, 0])) / 32)
+
+
+def test_ulps_of_larger_do_not_count_across_zero():
+    """A sign flip near zero is its size in ulps of the value (256 for 2^-16 against -2^-16), not the ~28,000 bf16
+    numbers between them that bf16_ulp_distance counts; across a binade boundary the upper binade's ulp is the
+    unit."""
+    x = torch.tensor([2.0**-16], dtype=torch.bfloat16)
+    assert bf16_ulp_distance(x, -x).item() == 2 * (127 - 16) * 2**7
+    assert bf16_ulps_of_larger(x, -x).item() == 256  # |2x| = 2 * 2^7 ulps of x's binade
+    one = torch.tensor([1.0], dtype=torch.bfloat16)
+    below = torch.tensor([1.0 - 2.0**-8], dtype=torch.bfloat16)  # the bf16 number just below 1
+    above = torch.tensor([1.0 + 2.0**-7], dtype=torch.bfloat16)
+    assert bf16_ulps_of_larger(one, above).item() == 1
+    assert bf16_ulps_of_larger(below, one).item() == 0.5
+    assert bf16_ulps_of_larger(one, one).item() == 0
+    tiny = torch.tensor([2.0**-133, 0.0], dtype=torch.bfloat16)  # the smallest subnormal against zero: 1 ulp
+    assert bf16_ulps_of_larger(tiny[:1], tiny[1:]).tolist() == [1.0]
+    inf = torch.tensor([float("inf")], dtype=torch.bfloat16)
+    assert bf16_ulps_of_larger(inf, one).item() == float("inf") and bf16_ulps_of_larger(inf, inf).item() == 0
 
 
 def test_layer_agreement_errors():

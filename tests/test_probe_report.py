@@ -153,7 +153,7 @@ def report():
 
 def test_build_fills_header_and_validates(report):
     rep, _ = report
-    assert rep["schema"] == SCHEMA == "roundalign.probe.report/1"
+    assert rep["schema"] == SCHEMA == "roundalign.probe.report/2"
     assert rep["created"] == "2026-01-01T00:00:00+00:00"
     assert rep["torch_version"] == torch.__version__
     validate_report(rep)
@@ -183,7 +183,7 @@ def _broken(rep, mutate):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda r: r.update(schema="roundalign.probe.report/2"), "schema"),
+        (lambda r: r.update(schema="roundalign.probe.report/1"), "schema"),
         (lambda r: r.pop("tokens"), "missing field(s) ['tokens']"),
         (lambda r: r["model"].update(num_layers=-1), "model.num_layers"),
         (lambda r: r["model"].update(vocab_size=True), "model.vocab_size"),
@@ -196,7 +196,8 @@ def _broken(rep, mutate):
         (lambda r: r["comparisons"][2]["metrics"].update({"rollout_corr/kl": "0.1"}), "expected a number"),
         (lambda r: r["attribution"][0]["regions"][0].pop("share"), "attribution[0].regions[0]"),
         (lambda r: r["layers"][0]["layers"][1].update(equal_frac=1.5), "layers[0].layers[1].equal_frac"),
-        (lambda r: r["layers"][1]["layers"][0].update(max_ulp=0.5), "layers[1].layers[0].max_ulp"),
+        (lambda r: r["layers"][1]["layers"][0].update(max_ulp=-0.5), "layers[1].layers[0].max_ulp"),
+        (lambda r: r["layers"][1]["layers"][0].update(differ=0.5), "layers[1].layers[0].differ"),
         (lambda r: r["decode_shapes"]["variants"][1].update(prefill_shaped="attention"), "prefill_shaped"),
         (lambda r: r["notes"].append(3), "notes[2]"),
         (lambda r: r["plots"].update(hist="/tmp/x.png"), "plots.hist"),

@@ -84,7 +84,7 @@ def _console(width: int | None = None):
 
 def _expected_cells(rep: dict) -> list[str]:
     """Every value cell of every table, formatted with the table's own formatters."""
-    from roundalign.probe.table import DECODE_SHAPE_KEYS, MAIN_COLUMNS, fmt_pct
+    from roundalign.probe.table import DECODE_SHAPE_KEYS, MAIN_COLUMNS, fmt_pct, fmt_ulps
 
     cells = [fmt(c["metrics"].get(key)) for c in rep["comparisons"] for _, key, fmt in MAIN_COLUMNS]
     columns = [c for c in MAIN_COLUMNS if c[1] in DECODE_SHAPE_KEYS]
@@ -96,7 +96,7 @@ def _expected_cells(rep: dict) -> list[str]:
             cells.append(f"{100 * r['alone_share']:.0f}%")
     for e in rep["layers"]:
         for row in e["layers"]:
-            cells += [fmt_pct(row["equal_frac"]), str(row["max_ulp"])]
+            cells += [fmt_pct(row["equal_frac"]), str(row["differ"]), fmt_ulps(row["max_ulp"])]
     return cells
 
 

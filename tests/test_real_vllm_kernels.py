@@ -11,6 +11,8 @@ most tokens different.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -30,25 +32,36 @@ KERNELS = f"{ROUNDING}-kernels"
 TRAINER = Path(__file__).with_name("kernels_trainer.py")
 
 
-def dump_and_score(engine_python, model, tmp, profile: str, *, enforce_eager: bool, samples: int, tokens: int):
-    """vLLM samples ``samples`` completions of ``tokens`` from ``model`` (``roundalign dump``), then the trainer side
-    (tests/kernels_trainer.py, in the engine's Python) scores them with ``profile``: (dump dir, the finished
-    trainer process; its results in ``tmp / "trainer.pt"``)."""
+def dump_and_score(engine_python, model, tmp, profile: str, *, enforce_eager: bool, samples: int, tokens: int,
+                   engine_threads: int = 1):  # fmt: skip
+    """vLLM samples ``samples`` completions of ``tokens`` from ``model`` (``roundalign dump``) with
+    ``engine_threads`` OpenMP threads, then the trainer side (tests/kernels_trainer.py, in the engine's Python, at
+    the suite's thread count) scores them with ``profile``: (dump dir, the finished trainer process; its results in
+    ``tmp / "trainer.pt"``)."""
     cfg = DumpConfig(
         engine="vllm", model=str(model), out=str(tmp / "dump"), enforce_eager=enforce_eager, num_samples=samples,
         max_tokens=tokens, ignore_eos=True,
     ).validate()  # fmt: skip
-    run_dump(cfg, engine_python)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(engine_threads)
+    try:
+        run_dump(cfg, engine_python)
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if before is None else os.environ.update(OMP_NUM_THREADS=before)
+    info = json.loads((Path(cfg.out) / "engine.json").read_text())
+    assert info["threads"] == engine_threads and info["attn_split_kv"] is False
     cmd = [engine_python, str(TRAINER), str(model), cfg.out, profile, str(tmp / "trainer.pt")]
     return cfg.out, subprocess.run(cmd, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module", params=["shipped", "llama"])
 def exact(request, engine_python, tmp_path_factory):
-    """(model dir, the engine's dump, the trainer's results) per model."""
+    """(model dir, the engine's dump, the trainer's results) per model; vLLM runs the Llama at 2 threads."""
     tmp = tmp_path_factory.mktemp(f"exact-{request.param}")
     model = models.path() if request.param == "shipped" else build_llama(tmp / "model")
-    dump_dir, proc = dump_and_score(engine_python, model, tmp, KERNELS, enforce_eager=True, samples=8, tokens=40)
+    threads = 1 if request.param == "shipped" else 2
+    dump_dir, proc = dump_and_score(engine_python, model, tmp, KERNELS, enforce_eager=True, samples=8, tokens=40,
+                                    engine_threads=threads)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     dump = read_dump(dump_dir, vocab_size=264, max_model_len=512 if request.param == "llama" else 256)
     return model, dump, torch.load(tmp / "trainer.pt")
@@ -99,35 +112,26 @@ def test_backward_is_standard_attentions_gradient(exact):
 COMPILED = "vllm-0.32-cpu-compiled-kernels"
 
 
-REFUSED = "reproduces the graph where vLLM's GEMM is torch's"
-
-
-@pytest.fixture(scope="module")
-def compiled(engine_python, compiled_forward_applies, tmp_path_factory):
-    """The wide Qwen3 (head_dim 128, ~1.2 nats) sampled by vLLM in its default compiled mode, and the trainer with
-    vLLM's compiled forward on its dump (the shipped model's case is in tests/test_real_vllm.py): (model dir, dump,
-    the trainer's results, or None where this CPU's vLLM GEMM is not torch's and ``apply`` refused, with its
-    message)."""
-    tmp = tmp_path_factory.mktemp("compiled-wide")
-    model = build_qwen3(tmp / "model")
-    dump_dir, proc = dump_and_score(engine_python, model, tmp, COMPILED, enforce_eager=False, samples=6, tokens=32)
-    if compiled_forward_applies:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        trainer = torch.load(tmp / "trainer.pt")
-    else:
-        assert proc.returncode != 0 and REFUSED in proc.stderr, proc.stderr[-3000:]
-        trainer = None
-    return model, read_dump(dump_dir, vocab_size=264, max_model_len=512), trainer, proc.stderr
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def compiled(request, engine_python, tmp_path_factory):
+    """A head_dim-128 model sampled by vLLM in its default compiled mode, and the trainer with vLLM's compiled
+    forward on its dump (the shipped model's case is in tests/test_real_vllm.py): the wide Qwen3 (~1.2 nats) with
+    one engine thread, the Llama (~2.3 nats) with two. (model dir, dump, the trainer's results)."""
+    tmp = tmp_path_factory.mktemp(f"compiled-{request.param}")
+    model = (build_qwen3 if request.param == "qwen3" else build_llama)(tmp / "model")
+    threads = 1 if request.param == "qwen3" else 2
+    dump_dir, proc = dump_and_score(engine_python, model, tmp, COMPILED, enforce_eager=False, samples=6, tokens=32,
+                                    engine_threads=threads)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return model, read_dump(dump_dir, vocab_size=264, max_model_len=512), torch.load(tmp / "trainer.pt")
 
 
 def test_compiled_forward_is_the_compiled_samplers_bit_for_bit(compiled):
-    """Where vLLM's CPU GEMM is torch's (AVX2): every sampler and prefill log-prob equal, one sequence per forward
-    and in left- and right-padded batches. Elsewhere (AMX, oneDNN): apply refuses, naming the GEMM vLLM uses there."""
-    _, dump, trainer, stderr = compiled
+    """On every CPU, whichever GEMM vLLM's dispatch picks there (oneDNN on AVX512-BF16, its AMX weight-packed GEMM,
+    torch's on AVX2): every sampler and prefill log-prob equal, one sequence per forward and in left- and
+    right-padded batches."""
+    _, dump, trainer = compiled
     assert dump.info["enforce_eager"] is False
-    if trainer is None:
-        assert REFUSED in stderr and "enforce_eager" in stderr
-        return
     assert trainer["profile"] == COMPILED
     for layout in ("unpadded", "left", "right"):
         for mine, rollout, prefill in zip(trainer[layout], dump.rollouts, dump.prefill, strict=True):
@@ -146,7 +150,7 @@ def test_compiled_forward_is_the_compiled_samplers_bit_for_bit(compiled):
 def test_vllms_kernels_alone_are_not_exact_in_the_compiled_mode(compiled, engine_python, tmp_path):
     """The contrast: the compiled build's rules with vLLM's attention and GEMM, element-wise code eager (the
     -kernels profile), leave most of this model's tokens different (measured 0.4% equal on 1,000 tokens)."""
-    model, dump, _, _ = compiled
+    model, dump, _ = compiled
     out = tmp_path / "kernels.pt"
     proc = subprocess.run(
         [engine_python, str(TRAINER), str(model), str(dump.path), "vllm-0.32-cpu-kernels", str(out)],

@@ -143,11 +143,12 @@ def _plain_linears(module, names) -> list:
     return mods
 
 
-def fused_parts(module, names: tuple[str, ...], x: torch.Tensor):
+def fused_parts(module, names: tuple[str, ...], x: torch.Tensor, low: torch.dtype | None = None):
     """What one fused engine GEMM of ``module``'s projections ``names`` reads: ``(linears, 16-bit dtype, their
-    weights, their biases)`` in the engine's dtype; vLLM fuses layers only when all or none have a bias."""
+    weights, their biases)`` in the engine's dtype (``low``, else ``x``'s 16-bit dtype); vLLM fuses layers only when
+    all or none have a bias."""
     mods = _plain_linears(module, names)
-    low = low_dtype(x)
+    low = low or low_dtype(x)
     weights = [engine_weight(m.weight, low) for m in mods]
     biases = [engine_weight(m.bias, low) for m in mods if m.bias is not None]
     if biases and len(biases) != len(mods):
@@ -178,6 +179,13 @@ def project(module, names: tuple[str, ...], x: torch.Tensor, gemm: GemmKernel, p
     # norms, SwiGLU) would otherwise copy the strided column slices themselves, in the forward and again from the
     # slices they saved in the backward. A copy changes no value.
     return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)[: len(mods)]]
+
+
+def fused_gemm(module, names: tuple[str, ...], low: torch.dtype):
+    """vLLM's prepared GEMM (``vllm_cpu.PreparedGemm``) of ``module``'s projections ``names`` in ``low``: the one
+    ``project`` computes them with, prepared once per weight change and shared with it (the compiled forward's)."""
+    _, _, weights, biases = fused_parts(module, names, None, low)
+    return _gemm_for(module, ",".join(names), weights, biases)[1]
 
 
 def _rowwise(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ INDUCTOR_OPTIONS = {
     "epilogue_fusion": True,
     "cpp.dynamic_threads": True,
 }
-FAMILIES = ("qwen3",)
+FAMILIES = ("qwen2", "qwen3", "llama")  # vLLM's Qwen2Model / LlamaModel forward with their decoder layers
 
 
 compile_key.key_compiles()  # graphs that call the op below: keyed on its sources
@@ -79,13 +79,16 @@ def _vllm_code():
         fused_add_rms_norm=ir.ops.fused_add_rms_norm.impls["native"].impl_fn,
         rope=RotaryEmbedding.forward_static,
         silu_and_mul=SiluAndMul.forward_native,
+        linear=vllm_cpu.graph_linear,
     )
 
 
-def _cos_sin_cache(config, head_dim: int) -> torch.Tensor:
-    """vLLM's bf16 ``cos_sin_cache`` for this config, built by its own ``get_rope``."""
+def _rope(config, head_dim: int):
+    """vLLM's rotary embedding for this config, built by its own ``get_rope`` (its bf16 ``cos_sin_cache``), checked
+    to compute with the ``forward_static`` the graph calls."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 1000000.0))
@@ -98,72 +101,91 @@ def _cos_sin_cache(config, head_dim: int) -> torch.Tensor:
             rope_parameters=params,
             dtype=torch.bfloat16,
         )
-    return rope.cos_sin_cache.to(torch.bfloat16)
+    if type(rope).forward_native is not RotaryEmbedding.forward_native:
+        raise UserError(
+            f"forward='vllm-cpu-compiled' runs vLLM's standard rotary embedding; this config's rope "
+            f"({params.get('rope_type')}) is vLLM's {type(rope).__name__}, which computes differently. Use the eager "
+            "mode (enforce_eager, the '-eager-...-kernels' profile)"
+        )
+    return rope
 
 
 def _forward(shape, code, ids, positions, lengths, cache, embed, layers, norm):
-    """vLLM 0.32's ``Qwen2Model.forward`` with ``Qwen3DecoderLayer``s, on packed tokens; returns the final hidden."""
-    eps, heads, kv_heads, head_dim = shape
+    """vLLM 0.32's ``Qwen2Model.forward`` (Qwen2, Qwen3) / ``LlamaModel.forward``, with their decoder layers, on
+    packed tokens; returns the final hidden. The decoder layers differ only in Qwen3's q/k norms (``None`` where the
+    family has none) and in which GEMMs have a bias; each GEMM is the one vLLM's dispatch chose (``graph_linear``)."""
+    eps, heads, kv_heads, head_dim, rotary_dim = shape
     hidden = F.embedding(ids, embed)
     residual = None
-    for in_ln, post_ln, q_norm, k_norm, qkv_w, qkv_b, o_w, gate_up, down in layers:
+    for in_ln, post_ln, q_norm, k_norm, qkv, o_proj, gate_up, down in layers:
         if residual is None:
             residual = hidden
             hidden = code.rms_norm(hidden, in_ln, eps, None)
         else:
             hidden, residual = code.fused_add_rms_norm(hidden, residual, in_ln, eps, None)
-        qkv = F.linear(hidden, qkv_w, qkv_b)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q_by_head = code.rms_norm(q.view(*q.shape[:-1], heads, head_dim), q_norm, eps, None)
-        q = q_by_head.view(q.shape)
-        k_by_head = code.rms_norm(k.view(*k.shape[:-1], kv_heads, head_dim), k_norm, eps, None)
-        k = k_by_head.view(k.shape)
-        q, k = code.rope(positions, q, k, head_dim, head_dim, cache, True)
+        q, k, v = code.linear(qkv, hidden).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        if q_norm is not None:  # Qwen3Attention: RMSNorm per head before the rotary embedding
+            q_by_head = code.rms_norm(q.view(*q.shape[:-1], heads, head_dim), q_norm, eps, None)
+            q = q_by_head.view(q.shape)
+            k_by_head = code.rms_norm(k.view(*k.shape[:-1], kv_heads, head_dim), k_norm, eps, None)
+            k = k_by_head.view(k.shape)
+        q, k = code.rope(positions, q, k, head_dim, rotary_dim, cache, True)
         attn = _attention(
             q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim), lengths,
             head_dim**-0.5,
         )  # fmt: skip
-        hidden = F.linear(attn.view(-1, heads * head_dim), o_w)
+        hidden = code.linear(o_proj, attn.view(-1, heads * head_dim))
         hidden, residual = code.fused_add_rms_norm(hidden, residual, post_ln, eps, None)
-        hidden = F.linear(code.silu_and_mul(F.linear(hidden, gate_up)), down)
+        hidden = code.linear(down, code.silu_and_mul(code.linear(gate_up, hidden)))
     hidden, _ = code.fused_add_rms_norm(hidden, residual, norm, eps, None)
     return hidden
 
 
+# The GEMMs of a decoder layer as vLLM fuses them: (module attribute, the HF projections it concatenates). The keys
+# are those the eager kernels prepare under (kernels.engine_gemm), so the backward's eager recompute reuses them.
+_GEMMS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", ("o_proj",)),
+    ("mlp", ("gate_proj", "up_proj")),
+    ("mlp", ("down_proj",)),
+)
+
+
 class EngineGraph:
-    """The compiled forward of one model, and the engine-shaped weights it reads (made anew every forward)."""
+    """The compiled forward of one model, and the engine-shaped weights it reads."""
 
     def __init__(self, model):
         config = model.config
         self.base = model.model
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.shape = (float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads, self.head_dim)
-        self.cache = _cos_sin_cache(config, self.head_dim)
+        rope = _rope(config, self.head_dim)
+        self.cache = rope.cos_sin_cache.to(torch.bfloat16)
+        self.shape = (float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
+                      self.head_dim, rope.rotary_dim)  # fmt: skip
         self.compiled = torch.compile(
             functools.partial(_forward, self.shape, _vllm_code()), backend="inductor", options=dict(INDUCTOR_OPTIONS)
         )
 
     def weights(self):
-        """vLLM's weights: 16-bit, q/k/v and gate/up concatenated. Made every forward (a copy, small against the
-        forward): a fused optimizer updates parameters in place without bumping their version, so no cheaper check
-        would notice a step."""
+        """vLLM's weights: 16-bit, each GEMM prepared as vLLM's dispatch prepares it (oneDNN's handle, the AMX packed
+        weight, or the fused weight for torch's GEMM) on q/k/v and gate/up concatenated. The prepared GEMMs are kept
+        while the weights hold the same values (``engine_gemm``: a fused optimizer updates parameters in place without
+        bumping their version, so the check is on the values); the small norm and embedding tensors are cast anew."""
+        from roundalign.kernels.engine_gemm import fused_gemm
+
         low, layers = torch.bfloat16, []
         with torch.no_grad():
             for layer in self.base.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv_b = None
-                if a.q_proj.bias is not None:
-                    qkv_b = torch.cat([engine_weight(x.bias, low) for x in (a.q_proj, a.k_proj, a.v_proj)])
+                a = layer.self_attn
+                q_norm = getattr(a, "q_norm", None)
+                k_norm = getattr(a, "k_norm", None)
+                gemms = [fused_gemm(getattr(layer, owner), names, low).graph for owner, names in _GEMMS]
                 layers.append((
                     engine_weight(layer.input_layernorm.weight, low),
                     engine_weight(layer.post_attention_layernorm.weight, low),
-                    engine_weight(a.q_norm.weight, low),
-                    engine_weight(a.k_norm.weight, low),
-                    torch.cat([engine_weight(x.weight, low) for x in (a.q_proj, a.k_proj, a.v_proj)]),
-                    qkv_b,
-                    engine_weight(a.o_proj.weight, low).contiguous(),
-                    torch.cat([engine_weight(x.weight, low) for x in (m.gate_proj, m.up_proj)]),
-                    engine_weight(m.down_proj.weight, low).contiguous(),
+                    None if q_norm is None else engine_weight(q_norm.weight, low),
+                    None if k_norm is None else engine_weight(k_norm.weight, low),
+                    *gemms,
                 ))  # fmt: skip
             embed = engine_weight(self.base.embed_tokens.weight, low).contiguous()
             return embed, layers, engine_weight(self.base.norm.weight, low).contiguous()
@@ -210,23 +232,17 @@ def check(model) -> None:
         )
     if getattr(config, "use_sliding_window", False):
         raise UserError("forward='vllm-cpu-compiled' covers full attention; this config uses a sliding window")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _rope(config, head_dim)
     hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     shapes = {
         "qkv": ((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, hidden),
         "o_proj": (hidden, config.num_attention_heads * head_dim),
         "gate_up": (2 * config.intermediate_size, hidden),
         "down_proj": (hidden, config.intermediate_size),
     }
-    for name, shape in shapes.items():
-        kind = vllm_cpu.gemm_kind(shape)
-        if kind != "torch":
-            raise UserError(
-                f"vLLM's CPU build computes the {name} GEMM with {kind} on this CPU, inside its compiled graph; "
-                "forward='vllm-cpu-compiled' reproduces the graph where vLLM's GEMM is torch's (CPUs without AMX or a "
-                "oneDNN bf16 matmul, e.g. AVX2). Here, use the eager mode (enforce_eager, the '-eager-...-kernels' "
-                "profile), which is exact on every CPU"
-            )
+    for shape in shapes.values():  # vLLM's choice of GEMM here, refused where the graph cannot call it
+        vllm_cpu.linear(torch.zeros(shape, dtype=torch.bfloat16), None)
 
 
 def install(model) -> None:

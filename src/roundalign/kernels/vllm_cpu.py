@@ -17,6 +17,7 @@ The version is pinned: these ops' names and arguments move between vLLM releases
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -148,13 +149,79 @@ class _Layer(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """vLLM's GEMM for this (already fused) weight: a function ``x (rows, in) -> (rows, out)``.
+class OnednnHandle(NamedTuple):
+    """What vLLM's ``ops.onednn_mm`` reads of its ``CPUDNNLGEMMHandler``: the output and input widths and the handle
+    (a pointer in an int64 tensor). A named tuple, so that a compiled graph takes it as an input (its widths static,
+    the handle a tensor) instead of guarding on a Python object that is new after every weight change."""
 
-    vLLM prepares a weight once at load (packs it, or builds a oneDNN handle); the caller keeps the function for as
-    long as the weight does not change."""
-    layer = _dispatched(weight, bias)
-    return lambda x: layer.cpu_linear(x, layer.weight, layer.bias)
+    n: int
+    k: int
+    handler_tensor: torch.Tensor
+
+
+class GraphGemm(NamedTuple):
+    """One prepared GEMM as a compiled graph calls it (``graph_linear``): vLLM's choice (``kind``: ``torch``,
+    ``onednn`` or ``packed``, its AMX weight-packed GEMM) and what that call reads. The prepared weights stay owned by
+    the ``PreparedGemm`` this came from."""
+
+    kind: str
+    weight: torch.Tensor | None  # torch: the fused weight; packed: the packed weight
+    handle: OnednnHandle | None
+    n: int
+    bias: torch.Tensor | None  # as vLLM holds it after its dispatch (the packed GEMM's in fp32)
+
+
+class PreparedGemm:
+    """vLLM's GEMM prepared for one (already fused) weight: call it on ``x (rows, in)``; ``graph`` is the same GEMM
+    for a compiled graph. vLLM prepares a weight once at load (packs it, or builds a oneDNN handle); the caller keeps
+    this for as long as the weight does not change."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.layer = _dispatched(weight, bias)
+        self.graph = _graph_gemm(self.layer)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.cpu_linear(x, self.layer.weight, self.layer.bias)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PreparedGemm:
+    """vLLM's GEMM for this (already fused) weight: a function ``x (rows, in) -> (rows, out)`` (``PreparedGemm``)."""
+    return PreparedGemm(weight, bias)
+
+
+def _graph_gemm(layer) -> GraphGemm:
+    """What the ``cpu_linear`` vLLM's dispatch set on ``layer`` closes over, as a ``GraphGemm``: the oneDNN handler
+    (``handler``) or the packed weight (``packed_weight``), by the names vLLM 0.32's dispatch gives them."""
+    fn = layer.cpu_linear
+    code = getattr(fn, "__code__", None)
+    names = code.co_names if code is not None else ()
+    cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True)) if code is not None else {}
+    n = layer.weight.shape[0]
+    if not any(marker in names for marker, _ in _GEMM_KINDS):  # vLLM's fallback: torch's linear
+        return GraphGemm("torch", layer.weight, None, n, layer.bias)
+    if "handler" in cells and "onednn_mm" in names:
+        h = cells["handler"].cell_contents
+        return GraphGemm("onednn", None, OnednnHandle(h.n, h.k, h.handler_tensor), n, layer.bias)
+    if "packed_weight" in cells and "weight_packed_linear_cpu" in names:
+        return GraphGemm("packed", cells["packed_weight"].cell_contents, None, n, layer.bias)
+    kind = next(k for marker, k in _GEMM_KINDS if marker in names)
+    raise UserError(
+        f"vLLM's CPU GEMM dispatch chose {kind} here, which roundalign's compiled forward does not call (it calls "
+        f"oneDNN, the AMX weight-packed GEMM and torch's, as vLLM {VERSION} builds them). Use the eager mode "
+        "(enforce_eager, the '-eager-...-kernels' profile)"
+    )
+
+
+def graph_linear(gemm: GraphGemm, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T (+ b)`` as vLLM's compiled graph calls its GEMM (``cpu_unquantized_gemm`` -> the layer's
+    ``cpu_linear``): vLLM's own ``onednn_mm`` / ``weight_packed_linear_cpu`` wrappers (an ``empty`` output the
+    custom op writes), or ``F.linear`` where vLLM falls back to torch's."""
+    if gemm.kind == "torch":
+        return torch.nn.functional.linear(x, gemm.weight, gemm.bias)
+    ops = load()
+    if gemm.kind == "onednn":
+        return ops.onednn_mm(gemm.handle, x, gemm.bias)
+    return ops.weight_packed_linear_cpu(x, gemm.weight, gemm.n, gemm.bias)
 
 
 def _dispatched(weight: torch.Tensor, bias: torch.Tensor | None) -> _Layer:

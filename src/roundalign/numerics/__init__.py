@@ -12,7 +12,7 @@ the rounding rules' formulas and the 16-bit dtypes.
 Importing this package imports torch.
 """
 
-from roundalign.numerics.bf16 import bf16_order_key, bf16_ulp_distance
+from roundalign.numerics.bf16 import bf16_order_key, bf16_ulp_distance, bf16_ulps_of_larger
 from roundalign.numerics.correction import IS_MODES, ISCorrection, is_weights
 from roundalign.numerics.dtypes import LOW_PRECISION
 from roundalign.numerics.metrics import METRIC_KEYS, SAFETY_BOUND, layer_agreement, log_ratios, mismatch_metrics
@@ -25,6 +25,7 @@ __all__ = [
     "ISCorrection",
     "bf16_order_key",
     "bf16_ulp_distance",
+    "bf16_ulps_of_larger",
     "is_weights",
     "layer_agreement",
     "log_ratios",

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from roundalign.numerics.bf16 import bf16_ulp_distance
+from roundalign.numerics.bf16 import bf16_ulps_of_larger
 
 # verl clamps log-ratios to [-20, 20] before exponentiating them (rollout_corr_helper.SAFETY_BOUND).
 SAFETY_BOUND = 20.0
@@ -225,8 +225,9 @@ def layer_agreement(trainer_hidden: list[Tensor], engine_hidden: list[Tensor]) -
     """Per-layer bit agreement of trainer and engine hidden states (one bf16 tensor per layer, same shapes).
 
     Each row: ``layer`` (the list index), ``equal_frac`` (fraction of elements whose 16-bit patterns are
-    identical), ``max_ulp`` (largest bf16 ulp distance), ``mean_abs_diff`` (mean |trainer - engine|, float64;
-    None if an infinity makes it undefined).
+    identical), ``differ`` (how many elements' values differ), ``max_ulp`` (the largest |trainer - engine| in ulps
+    of the larger magnitude of the two: ``bf16_ulps_of_larger``, which does not count across zero),
+    ``mean_abs_diff`` (mean |trainer - engine|, float64; None if an infinity makes it undefined).
     """
     if len(trainer_hidden) != len(engine_hidden):
         raise ValueError(
@@ -243,13 +244,14 @@ def layer_agreement(trainer_hidden: list[Tensor], engine_hidden: list[Tensor]) -
             )
         if h_train.numel() == 0:
             raise ValueError(f"layer {i}: empty hidden states")
-        ulp = bf16_ulp_distance(h_train, h_engine)
+        ulp = bf16_ulps_of_larger(h_train, h_engine)
         same_bits = h_train.view(torch.int16) == h_engine.view(torch.int16)
         rows.append(
             {
                 "layer": i,
                 "equal_frac": float(same_bits.double().mean()),
-                "max_ulp": int(ulp.max()),
+                "differ": int((ulp > 0).sum()),
+                "max_ulp": float(ulp.max()),
                 "mean_abs_diff": _f((h_train.double() - h_engine.double()).abs().mean()),
             }
         )

@@ -150,8 +150,9 @@ def plot_layer_agreement(report: dict, path: str | Path) -> Path:
     top.set_ylabel("elements with equal bits (%)")
     top.set_ylim(-3, 103)
     top.set_title("Trainer vs engine hidden states after each decoder layer (prefill)")
-    bottom.set_ylabel("max distance (bf16 ulp)")
-    # Integer ulps: a linear axis while they stay small, symmetric-log (0 stays visible) once they spread.
+    bottom.set_ylabel("max distance (ulp of the larger value)")
+    # Ulps (whole numbers within a binade): a linear axis while they stay small, symmetric-log (0 stays visible) once
+    # they spread.
     if max_ulp > 16:
         bottom.set_yscale("symlog", linthresh=1)
         bottom.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))

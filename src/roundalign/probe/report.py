@@ -17,12 +17,12 @@ from pathlib import Path
 from roundalign import durable
 from roundalign.numerics.metrics import METRIC_KEYS
 
-SCHEMA = "roundalign.probe.report/1"
+SCHEMA = "roundalign.probe.report/2"
 REPORT_FILE = "report.json"
 
 REFERENCES = ("decode", "prefill", "jsonl")
 ENGINE_SOURCES = ("roundalign.engine", "jsonl", "dump")  # dump: a roundalign dump directory
-LAYER_ROW_KEYS = ("layer", "equal_frac", "max_ulp", "mean_abs_diff")
+LAYER_ROW_KEYS = ("layer", "equal_frac", "differ", "max_ulp", "mean_abs_diff")
 TOP_LEVEL_KEYS = (
     "schema", "created", "roundalign_version", "torch_version", "model", "engine", "tokens",
     "comparisons", "attribution", "layers", "decode_shapes", "notes", "plots",
@@ -157,7 +157,10 @@ def _layer_rows(rows, where: str) -> None:
         _num(row["equal_frac"], f"{w}.equal_frac", allow_none=False)
         if not 0 <= row["equal_frac"] <= 1:
             _fail(f"{w}.equal_frac", f"{row['equal_frac']} is not a fraction in [0, 1]")
-        _int(row["max_ulp"], f"{w}.max_ulp")
+        _int(row["differ"], f"{w}.differ")
+        _num(row["max_ulp"], f"{w}.max_ulp", allow_none=False)
+        if row["max_ulp"] < 0:
+            _fail(f"{w}.max_ulp", f"{row['max_ulp']} is negative")
         _num(row["mean_abs_diff"], f"{w}.mean_abs_diff")
 
 

@@ -352,21 +352,29 @@ def _layers_grid(report: dict) -> _Grid:
     headers = []
     for e in entries:
         label = f"{e['trainer_profile']} ({e['backend']})"
-        headers += [f"{label}\nequal", f"{label}\nmax ulp"]
+        headers += [f"{label}\nequal", f"{label}\ndiffer", f"{label}\nmax ulp"]
     by_layer: dict[int, list[str]] = {}
     for k, e in enumerate(entries):
         for row in e["layers"]:
-            cells = by_layer.setdefault(row["layer"], ["", ""] * len(entries))
-            cells[2 * k] = fmt_pct(row["equal_frac"])
-            cells[2 * k + 1] = str(row["max_ulp"])
+            cells = by_layer.setdefault(row["layer"], ["", "", ""] * len(entries))
+            cells[3 * k] = fmt_pct(row["equal_frac"])
+            cells[3 * k + 1] = str(row["differ"])
+            cells[3 * k + 2] = fmt_ulps(row["max_ulp"])
     return _Grid(
         "Per-layer agreement of prefill hidden states (after each decoder layer)",
-        "equal: elements with identical bf16 bits; max ulp: largest distance in bf16 units in the last place.",
+        "equal: elements with identical bf16 bits; differ: how many elements differ; max ulp: the largest "
+        "difference in units in the last place of the larger of the two values (a sign flip near zero counts its "
+        "size, not the numbers between).",
         "layer",
         headers,
         [((str(layer),), by_layer[layer]) for layer in sorted(by_layer)],
-        unit=2,
+        unit=3,
     )
+
+
+def fmt_ulps(x: float) -> str:
+    """An ulp distance: whole numbers as integers, fractions (across a binade) to two significant digits."""
+    return "inf" if x == float("inf") else str(int(x)) if x == int(x) else f"{x:.2g}"
 
 
 def _notes(report: dict):

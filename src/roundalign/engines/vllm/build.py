@@ -18,12 +18,17 @@ import importlib.metadata
 from roundalign.engines.host import cpu_model
 from roundalign.errors import UserError
 
-# Set before vLLM is imported. The engine core runs in this process (no worker process to start, and engine_info
-# can read the model runner); a CPU KV cache of 1 GiB is ample for a dump; the process binds its OpenMP threads.
+# Set before vLLM is imported (a value the user set wins). The engine core runs in this process (no worker process
+# to start, and engine_info can read the model runner); a CPU KV cache of 1 GiB is ample for a dump; the process
+# binds its OpenMP threads. VLLM_CPU_ATTN_SPLIT_KV=0: with more than one thread, vLLM's CPU attention splits a
+# decode step's long KV ranges among its threads by the thread count and the whole batch's lengths, and merges the
+# parts, which no trainer can replay (it does not know the step's batch); unsplit, each decoded row is the row a
+# prefill computes, at any thread count (docs/kernels.md: the engine's thread count).
 ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
     "HF_HUB_OFFLINE": "1",
 }
 
@@ -77,6 +82,9 @@ def engine_info(llm, enforce_eager: bool) -> dict:
         "logprobs_mode": str(config.model_config.logprobs_mode),
         "attention_backend": None,
         "linear_kernel": None,
+        # The engine's OpenMP threads and whether its CPU attention splits KV among them (see ENVIRONMENT).
+        "threads": torch.get_num_threads(),
+        "attn_split_kv": _split_kv(),
     }
     priority = _walk(config, "kernel_config", "ir_op_priority")
     if priority is not None:
@@ -99,6 +107,15 @@ def engine_info(llm, enforce_eager: bool) -> dict:
         fn = getattr(qkv, "cpu_linear", None) or getattr(getattr(qkv, "quant_method", None), "_gemm_impl", None)
         info["linear_kernel"] = getattr(fn, "__qualname__", None) or type(getattr(qkv, "quant_method", None)).__name__
     return info
+
+
+def _split_kv() -> bool | None:
+    try:
+        from vllm import envs
+
+        return bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+    except (ImportError, AttributeError):
+        return None
 
 
 def installed_version() -> str:

@@ -71,11 +71,9 @@ class VllmEngine:
         # reload its weights in place), a 1 GiB CPU KV cache (set VLLM_CPU_KVCACHE_SPACE for more), bound threads.
         for key, value in ENVIRONMENT.items():
             os.environ.setdefault(key, value)
-        # vLLM's CPU attention splits a long sequence's keys among its threads by the thread count; unsplit, it is
-        # the same at any thread count, and the trainer in this process reads the same variable for its attention
-        # (kernels/vllm_cpu.py). Measured at 2 engine threads: split, the exact trainer missed 2 of 20 steps of
-        # `train --engine vllm` by a few tokens; unsplit, none (docs/train.md). A value set by the user wins.
-        os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        # ENVIRONMENT turns vLLM's split-KV decode attention off (a value set by the user wins): split, it depends on
+        # the thread count and the step's batch. Measured at 2 engine threads: split, the exact trainer missed 2 of 20
+        # steps of `train --engine vllm` by a few tokens; unsplit, none (docs/kernels.md: the engine's thread count).
         from vllm import LLM
 
         self.model_dir = Path(model_dir)

@@ -1,0 +1,71 @@
+"""Run in the engine's Python under a given OMP_NUM_THREADS (tests/test_vllm_threads.py): vLLM's CPU attention as
+the engine decodes (one query row per sequence, the whole sequence in the paged cache, vLLM's scheduler metadata
+with and without split KV) against the same rows of a prefill of the whole sequences (what the trainer computes),
+and the trainer's kernels' outputs (prefill attention, vLLM's GEMM at several row counts) saved for comparison
+across thread counts.
+
+    python tests/vllm_threads.py OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from roundalign.kernels import vllm_cpu
+
+LENGTHS = [900, 30, 2000, 5]  # a long sequence beside short ones: split KV cuts it at 2 threads
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+
+
+def decode_rows(q, k, v, lengths, split: bool) -> torch.Tensor:
+    """One decode step of every sequence (its last token's query), as vLLM's CPU backend runs it."""
+    ops = vllm_cpu.load()
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    block = vllm_cpu.BLOCK_SIZE
+    sizes = torch.tensor(lengths, dtype=torch.int32)
+    blocks = (sizes + block - 1) // block
+    first = torch.cumsum(blocks, 0) - blocks
+    slots = torch.cat([torch.arange(n) + int(b) * block for n, b in zip(lengths, first, strict=True)])
+    total = int(blocks.sum())
+    table = (first[:, None] + torch.arange(int(blocks.max()))[None, :]).clamp(max=total - 1).to(torch.int32)
+    starts = torch.arange(len(lengths) + 1, dtype=torch.int32)  # one query token per sequence
+    isa = _get_attn_isa(q.dtype, block, HEAD_DIM)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(lengths), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=sizes,
+        dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split,
+    )  # fmt: skip
+    cache = torch.zeros(total, KV_HEADS, block, 2 * HEAD_DIM, dtype=q.dtype)
+    key_cache, value_cache = cache.view(total, KV_HEADS, 2 * block, HEAD_DIM).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots.to(torch.int64), isa)
+    last = torch.cumsum(sizes, 0) - 1
+    out = torch.empty(len(lengths), HEADS, HEAD_DIM, dtype=q.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q[last].contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=sizes, scale=HEAD_DIM**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+        softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+    )  # fmt: skip
+    return out
+
+
+def main(out: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens = sum(LENGTHS)
+    q, k, v = (torch.randn(tokens, h, HEAD_DIM, generator=gen).bfloat16() for h in (HEADS, KV_HEADS, KV_HEADS))
+    prefill = vllm_cpu.attention(q, k, v, LENGTHS, HEAD_DIM**-0.5)
+    last = torch.cumsum(torch.tensor(LENGTHS), 0) - 1
+    result = {"threads": torch.get_num_threads(), "prefill": prefill, "gemm": {}}
+    for split in (True, False):
+        rows = result[f"decode_split_{split}"] = decode_rows(q, k, v, LENGTHS, split)
+        result[f"decode_equal_split_{split}"] = [torch.equal(rows[i], prefill[last[i]]) for i in range(len(LENGTHS))]
+    for shape in ((1536, 512), (512, 1536), (264, 512)):
+        gemm = vllm_cpu.linear(torch.randn(shape, generator=gen).bfloat16(), None)
+        x = torch.randn(300, shape[1], generator=gen).bfloat16()
+        result["gemm"][shape] = [gemm(x[:m]) for m in (1, 5, 17, 300)]
+    torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
