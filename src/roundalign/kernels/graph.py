@@ -4,7 +4,8 @@ In its default mode vLLM 0.32's CPU build compiles the model's whole forward wit
 (``CompilationMode.DYNAMO_TRACE_ONCE``, backend ``"inductor"``: no vLLM passes, no piecewise split), with the
 Inductor options its CPU platform sets (vllm/platforms/cpu.py), the token dimension dynamic, custom ops off: vLLM's
 ``forward_native`` RMSNorm, RoPE and SiluAndMul are traced into Inductor's fused C++ kernels, attention stays an
-opaque op, and on a CPU without AMX or a oneDNN bf16 matmul its GEMMs are torch's (``extern mm``).
+opaque op, and each GEMM is the layer's ``cpu_linear`` as vLLM's dispatch set it (oneDNN's ``onednn_mm`` or the AMX
+weight-packed GEMM as opaque ops, torch's ``extern mm`` where vLLM falls back to it).
 
 What those fused kernels compute is not a rounding location. They drop the bf16 casts between fused ops (the
 ``vllm-0.32-cpu`` rules say where), and they also sum each RMSNorm's squares in Inductor's own order: in vector
@@ -12,9 +13,10 @@ lanes, 16 or 8 of them depending on whether that kernel also stores the fp32 res
 store-or-recompute heuristic decides per layer. A rounding rule cannot say that, and vLLM's attention and GEMM
 alone leave the trainer short of the compiled engine (docs/kernels.md has how far).
 
-So this module runs vLLM's own forward code, in vLLM's layer structure (Qwen3 here: ``Qwen2Model.forward`` with
-``Qwen3DecoderLayer``), on the trainer model's weights, through the same compiler with the same options: Inductor
-then generates the kernels the engine runs, on whatever CPU this is. The element-wise code is imported from vLLM
+So this module runs vLLM's own forward code, in vLLM's layer structure (``Qwen2Model.forward`` with Qwen2's or
+Qwen3's decoder layers, ``LlamaModel.forward``), on the trainer model's weights, through the same compiler with the
+same options: Inductor then generates the kernels the engine runs, on whatever CPU this is. Each GEMM is prepared by
+vLLM's own dispatch and called as its graph calls it (``vllm_cpu.graph_linear``). The element-wise code is imported from vLLM
 (``vllm.ir`` native ``rms_norm`` / ``fused_add_rms_norm``, ``RotaryEmbedding.forward_static`` on the cache
 ``get_rope`` builds, ``SiluAndMul.forward_native``); attention is vLLM's CPU attention (``vllm_cpu.attention``) as an
 opaque ``torch.library`` op over the packed sequences; the lm_head stays outside the graph, as vLLM's
