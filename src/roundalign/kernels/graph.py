@@ -16,8 +16,8 @@ alone leave the trainer short of the compiled engine (docs/kernels.md has how fa
 So this module runs vLLM's own forward code, in vLLM's layer structure (``Qwen2Model.forward`` with Qwen2's or
 Qwen3's decoder layers, ``LlamaModel.forward``), on the trainer model's weights, through the same compiler with the
 same options: Inductor then generates the kernels the engine runs, on whatever CPU this is. Each GEMM is prepared by
-vLLM's own dispatch and called as its graph calls it (``vllm_cpu.graph_linear``). The element-wise code is imported from vLLM
-(``vllm.ir`` native ``rms_norm`` / ``fused_add_rms_norm``, ``RotaryEmbedding.forward_static`` on the cache
+vLLM's own dispatch and called as its graph calls it (``vllm_cpu.graph_linear``). The element-wise code is imported
+from vLLM (``vllm.ir`` native ``rms_norm`` / ``fused_add_rms_norm``, ``RotaryEmbedding.forward_static`` on the cache
 ``get_rope`` builds, ``SiluAndMul.forward_native``); attention is vLLM's CPU attention (``vllm_cpu.attention``) as an
 opaque ``torch.library`` op over the packed sequences; the lm_head stays outside the graph, as vLLM's
 ``compute_logits`` does.
