@@ -77,11 +77,11 @@ def main(model_dir: str, mode: str, rows: str, out: str) -> None:
         os.environ.setdefault(key, value)
     install()
     import roundalign
+    from kernels_trainer import load_model, picked  # this script's folder is on sys.path, as it runs
     from roundalign.engine.sampling import SamplingParams
     from roundalign.engines.vllm.inprocess import VllmEngine
     from roundalign.engines.vllm.profile import trainer_profile
     from roundalign.kernels import vllm_cpu
-    from tests.kernels_trainer import load_model, picked
 
     eager = mode == "eager"
     engine = VllmEngine(model_dir, enforce_eager=eager, seed=0, dtype=torch.bfloat16)

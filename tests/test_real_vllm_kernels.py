@@ -33,14 +33,14 @@ TRAINER = Path(__file__).with_name("kernels_trainer.py")
 
 
 def dump_and_score(engine_python, model, tmp, profile: str, *, enforce_eager: bool, samples: int, tokens: int,
-                   engine_threads: int = 1):  # fmt: skip
+                   engine_threads: int = 1, max_model_len: int | None = None):  # fmt: skip
     """vLLM samples ``samples`` completions of ``tokens`` from ``model`` (``roundalign dump``) with
     ``engine_threads`` OpenMP threads, then the trainer side (tests/kernels_trainer.py, in the engine's Python, at
     the suite's thread count) scores them with ``profile``: (dump dir, the finished trainer process; its results in
     ``tmp / "trainer.pt"``)."""
     cfg = DumpConfig(
         engine="vllm", model=str(model), out=str(tmp / "dump"), enforce_eager=enforce_eager, num_samples=samples,
-        max_tokens=tokens, ignore_eos=True,
+        max_tokens=tokens, ignore_eos=True, **({"max_model_len": max_model_len} if max_model_len else {}),
     ).validate()  # fmt: skip
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(engine_threads)
@@ -104,6 +104,25 @@ def test_backward_is_standard_attentions_gradient(exact):
     for name, grad in step.items():
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
         assert torch.equal(grad, checkpointed[name]), name
+
+
+def test_long_completions_are_the_samplers_past_where_prefill_and_decode_part(engine_python, tmp_path):
+    """Completions of 440 tokens, sampled at 2 engine threads: vLLM's CPU attention sizes its KV tiles by the query
+    tile, so past a few hundred positions its decode rows (the sampler's) and its prefill rows (its own
+    ``prompt_logprobs``) part. The trainer computes every row as its decode step did, and stays bit-equal to the
+    sampler at every position (a prefill-shaped attention matched 82% of such tokens)."""
+    model = build_qwen3(tmp_path / "model")
+    dump_dir, proc = dump_and_score(engine_python, model, tmp_path, KERNELS, enforce_eager=True, samples=2,
+                                    tokens=440, engine_threads=2, max_model_len=512)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dump, trainer = read_dump(dump_dir, vocab_size=264, max_model_len=512), torch.load(tmp_path / "trainer.pt")
+    parted = 0
+    for j, (rollout, prefill) in enumerate(zip(dump.rollouts, dump.prefill, strict=True)):
+        sampler = torch.tensor(rollout.logprobs, dtype=torch.float32)
+        for layout in ("unpadded", "left", "right"):
+            assert torch.equal(trainer[layout][j], sampler), layout
+        parted += int((torch.tensor(prefill, dtype=torch.float32) != sampler).sum())
+    assert parted > 0  # the regime is the one described: the engine's own prefill is not its sampler here
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -54,6 +54,16 @@ def test_unsplit_decode_rows_do_not_depend_on_the_thread_count(by_threads):
         assert all(e for e, n in zip(equal, LENGTHS, strict=True) if n <= SHORT), threads
 
 
+def test_the_trainers_attention_is_the_engines_decode_at_every_position(by_threads):
+    """The trainer's attention (``vllm_cpu.attention``: every row as its decode step) equals the engine's decode,
+    built step by step, at every position of every sequence (2,000 tokens included), at 1 and 2 threads; a prefill
+    of the whole sequence does not past a few hundred positions, which is why the trainer does not compute one."""
+    for threads in (1, 2):
+        result = by_threads[threads]
+        assert torch.equal(result["trainer"], result["engine_steps"]), threads
+        assert not torch.equal(result["prefill"], result["engine_steps"]), threads
+
+
 def test_the_trainers_kernels_do_not_depend_on_its_thread_count(by_threads):
     """vLLM's GEMMs at 1, 5, 17 and 300 rows, and the prefill attention of sequences of a few hundred tokens: the
     same bits at 1 and 2 threads. (A prefill of thousands of tokens is cut into per-thread work items, which moves

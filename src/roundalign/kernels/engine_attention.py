@@ -3,9 +3,10 @@ of standard attention.
 
 ``attention`` is an HF attention function (``AttentionInterface`` signature): the patched attention modules call it
 where the profile names an engine attention kernel (``Profile.attention``: ``vllm-cpu`` or ``reference``). The engine
-computes each sequence of a batch unpadded and from position 0, so this finds the sequences in the trainer's padded
-or packed batch (``batch.sequences``, once per forward), runs the kernel over them back to back, and scatters the
-result back. The kernels have no backward: ``_EngineAttention`` saves only q, k, v and HF's mask and recomputes HF's
+computes each sequence of a batch unpadded and from position 0, each sampled token's row in the decode step that
+sampled it, so this finds the sequences in the trainer's padded or packed batch (``batch.sequences``, once per
+forward), runs the kernel over them back to back (every row decode-shaped: ``vllm_cpu.attention``), and scatters
+the result back. The kernels have no backward: ``_EngineAttention`` saves only q, k, v and HF's mask and recomputes HF's
 SDPA attention in the backward, so the gradient and the memory are stock HF's.
 """
 

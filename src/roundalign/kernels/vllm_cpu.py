@@ -65,77 +65,118 @@ def check_model(config) -> None:
         raise UserError(f"vLLM's CPU attention supports head_dim {sizes}; this model has head_dim {head_dim}")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float, prompts=None) -> torch.Tensor:
     """Causal attention of sequences packed back to back (q ``(tokens, heads, head_dim)``, k/v ``(tokens, kv_heads,
-    head_dim)``, sequence ``j`` the next ``lengths[j]`` rows), each from position 0: vLLM's prefill of them."""
+    head_dim)``, sequence ``j`` the next ``lengths[j]`` rows), each from position 0, as vLLM computed them when it
+    sampled them: the first ``prompts[j]`` rows of sequence ``j`` as its prefill of the prompt (one call, the prompt's
+    rows against the prompt), every later row as the decode step that sampled that token (its one query against the
+    cache up to its position). ``prompts=None``: every row decode-shaped.
+
+    The two differ: vLLM's CPU attention sizes its KV tiles by the query tile, so past a few hundred positions a
+    prefill row and the decoded row of the same token sum their softmax in other pieces (docs/kernels.md). Decoded
+    rows are the engine's at any thread count (split KV off) and whatever else the step held; a prompt's rows are
+    its prefill's where the engine prefilled the prompt in one piece."""
     ops = load()
     _, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    lengths, blocks, slots, table, starts, isa, metadata = _layout(tuple(int(n) for n in lengths), heads, kv_heads,
-                                                                   head_dim, q.dtype)  # fmt: skip
-    cache = torch.zeros(blocks, kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=k.dtype)
-    key_cache, value_cache = cache.view(cache.shape[0], kv_heads, 2 * BLOCK_SIZE, head_dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    lengths = tuple(int(n) for n in lengths)
+    if prompts is None:
+        prompts = (1,) * len(lengths)
+    prompts = tuple(max(1, min(int(p), n)) for p, n in zip(prompts, lengths, strict=True))
+    layout = _layout(lengths, prompts, heads, kv_heads, head_dim, q.dtype)
+    cache = torch.zeros(layout.blocks, kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=k.dtype)
+    key_cache, value_cache = cache.view(layout.blocks, kv_heads, 2 * BLOCK_SIZE, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, layout.slots, layout.isa)
     out = torch.empty_like(q)
-    ops.cpu_attention_with_kv_cache(
-        query=q,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=out,
-        query_start_loc=starts,
-        seq_lens=lengths,
-        scale=scale,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=table,
-        softcap=0.0,
-        scheduler_metadata=metadata,
-        s_aux=None,
-    )
+    for call in layout.calls:  # the prompts' prefill, then every other row's decode step
+        part = torch.empty(call.rows.shape[0], heads, head_dim, dtype=q.dtype)
+        ops.cpu_attention_with_kv_cache(
+            query=q[call.rows],
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=part,
+            query_start_loc=call.starts,
+            seq_lens=call.seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=call.table,
+            softcap=0.0,
+            scheduler_metadata=call.metadata,
+            s_aux=None,
+        )
+        out[call.rows] = part
     return out
+
+
+class _Call(NamedTuple):
+    """One varlen call of vLLM's attention: which packed rows it computes (``rows``), and its request layout."""
+
+    rows: torch.Tensor
+    starts: torch.Tensor  # query_start_loc
+    seq_lens: torch.Tensor
+    table: torch.Tensor
+    metadata: torch.Tensor
+
+
+class _Layout(NamedTuple):
+    blocks: int
+    slots: torch.Tensor
+    isa: str
+    calls: tuple[_Call, ...]
 
 
 _LAYOUT: list = []  # (key, layout) of the batch in progress: its layers share it
 
 
-def _layout(lengths: tuple[int, ...], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
-    """The KV-cache layout and vLLM's scheduler metadata for sequences of ``lengths``: ``(lengths, blocks, slots,
-    table, starts, isa, metadata)``. Built once per batch and shared by its layers, as vLLM builds its attention
+def _layout(lengths: tuple[int, ...], prompts: tuple[int, ...], heads: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype) -> _Layout:  # fmt: skip
+    """The KV-cache layout and the calls (with vLLM's scheduler metadata) for sequences of ``lengths`` whose first
+    ``prompts`` rows are a prefill. Built once per batch and shared by its layers, as vLLM builds its attention
     metadata once per step (building it is a sizeable share of a call at small sizes)."""
-    from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    key = (lengths, heads, kv_heads, head_dim, dtype, envs.VLLM_CPU_ATTN_SPLIT_KV)
+    key = (lengths, prompts, heads, kv_heads, head_dim, dtype)
     if _LAYOUT and _LAYOUT[0][0] == key:
         return _LAYOUT[0][1]
     ops = load()
+    isa = _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
 
     sizes = torch.tensor(lengths, dtype=torch.int32)
     blocks = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE
     first_block = torch.cumsum(blocks, 0) - blocks
     # Each sequence's blocks are consecutive: token t of sequence j sits in slot (first_block[j] * B + t).
     slots = torch.cat([torch.arange(n) + int(b) * BLOCK_SIZE for n, b in zip(lengths, first_block, strict=True)])
-    width = int(blocks.max())
     total = int(blocks.sum())
-    table = (first_block[:, None] + torch.arange(width)[None, :]).clamp(max=total - 1).to(torch.int32)
-    starts = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(sizes, 0)
-    isa = _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(lengths),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        seq_lens=sizes,
-        dtype=dtype,
-        query_start_loc=starts,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=key[-1],
-    )
-    layout = (sizes, total, slots.to(torch.int64), table, starts, isa, metadata)
+    table = (first_block[:, None] + torch.arange(int(blocks.max()))[None, :]).clamp(max=total - 1).to(torch.int32)
+    seq_start = torch.cumsum(sizes, 0) - sizes
+
+    def call(rows, query_lens, seq_lens, seqs) -> _Call:
+        starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.cumsum(query_lens, 0)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+            dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=False,  # the engine's exact setting (VLLM_CPU_ATTN_SPLIT_KV=0), whatever this process has
+        )  # fmt: skip
+        return _Call(rows, starts, seq_lens, table[seqs].contiguous(), metadata)
+
+    calls = []
+    pre = [j for j, p in enumerate(prompts) if p > 1]
+    if pre:  # the prompts' prefill: each prompt's rows against the prompt
+        p = torch.tensor([prompts[j] for j in pre], dtype=torch.int32)
+        rows = torch.cat([torch.arange(prompts[j]) + int(seq_start[j]) for j in pre])
+        calls.append(call(rows, p, p, torch.tensor(pre)))
+    # Every other row as its decode step: one query against the cache up to and including its own position.
+    first = [p if p > 1 else 0 for p in prompts]
+    seqs = [j for j, (n, f) in enumerate(zip(lengths, first, strict=True)) for _ in range(f, n)]
+    if seqs:
+        positions = torch.cat([torch.arange(f, n) for n, f in zip(lengths, first, strict=True)])
+        seqs = torch.tensor(seqs)
+        rows = seq_start[seqs].long() + positions
+        calls.append(call(rows, torch.ones(len(seqs), dtype=torch.int32), (positions + 1).to(torch.int32), seqs))
+    layout = _Layout(total, slots.to(torch.int64), isa, tuple(calls))
     _LAYOUT[:] = [(key, layout)]
     return layout
 
