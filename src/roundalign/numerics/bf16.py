@@ -18,6 +18,17 @@ def bf16_order_key(x: Tensor) -> Tensor:
     return torch.where(bits < 0, -magnitude, magnitude)
 
 
+def _check_pair(a: Tensor, b: Tensor, what: str) -> None:
+    """Two bf16 tensors of one shape, without NaN (which has no place on the line), or an error saying which."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"{what} compares bf16 tensors, got {a.dtype} and {b.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    for name, x in (("a", a), ("b", b)):
+        if torch.isnan(x).any():
+            raise ValueError(f"{name} holds NaN, which has no ulp distance; find where the NaN comes from first")
+
+
 def bf16_ulp_distance(a: Tensor, b: Tensor) -> Tensor:
     """Elementwise distance between two bf16 tensors in bf16 units in the last place (int64).
 
@@ -25,13 +36,7 @@ def bf16_ulp_distance(a: Tensor, b: Tensor) -> Tensor:
     representable number in between (the smallest positive and negative subnormals are 2 apart). Infinities sit
     one step past the largest finite value. NaN has no place on the line and is an error.
     """
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise TypeError(f"bf16_ulp_distance compares bf16 tensors, got {a.dtype} and {b.dtype}")
-    if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    for name, x in (("a", a), ("b", b)):
-        if torch.isnan(x).any():
-            raise ValueError(f"{name} holds NaN, which has no ulp distance; find where the NaN comes from first")
+    _check_pair(a, b, "bf16_ulp_distance")
     return (bf16_order_key(a) - bf16_order_key(b)).abs().to(torch.int64)
 
 
@@ -49,13 +54,7 @@ def bf16_ulps_of_larger(a: Tensor, b: Tensor) -> Tensor:
     ulps of ``1e-5`` (their difference is twice the value), not the ~30,000 representable numbers between them.
     An infinity against anything else is ``inf``; NaN is an error.
     """
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise TypeError(f"bf16_ulps_of_larger compares bf16 tensors, got {a.dtype} and {b.dtype}")
-    if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    for name, x in (("a", a), ("b", b)):
-        if torch.isnan(x).any():
-            raise ValueError(f"{name} holds NaN, which has no ulp distance; find where the NaN comes from first")
+    _check_pair(a, b, "bf16_ulps_of_larger")
     a64, b64 = a.double(), b.double()
     larger = torch.maximum(a64.abs(), b64.abs())
     _, exponent = torch.frexp(larger)  # larger = m * 2^exponent, m in [0.5, 1): its binade starts at 2^(exponent-1)
