@@ -137,7 +137,8 @@ def _layout(lengths: tuple[int, ...], prompts: tuple[int, ...], heads: int, kv_h
     metadata once per step (building it is a sizeable share of a call at small sizes)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    key = (lengths, prompts, heads, kv_heads, head_dim, dtype)
+    # vLLM's metadata records the thread count it was built for and its kernel checks it: part of the key.
+    key = (lengths, prompts, heads, kv_heads, head_dim, dtype, torch.get_num_threads())
     if _LAYOUT and _LAYOUT[0][0] == key:
         return _LAYOUT[0][1]
     ops = load()
