@@ -109,20 +109,20 @@ def test_backward_is_standard_attentions_gradient(exact):
 def test_long_completions_are_the_samplers_past_where_prefill_and_decode_part(engine_python, tmp_path):
     """Completions of 440 tokens, sampled at 2 engine threads: vLLM's CPU attention sizes its KV tiles by the query
     tile, so past a few hundred positions its decode rows (the sampler's) and its prefill rows (its own
-    ``prompt_logprobs``) part. The trainer computes every row as its decode step did, and stays bit-equal to the
-    sampler at every position (a prefill-shaped attention matched 82% of such tokens)."""
+    ``prompt_logprobs``) can part (on a Zen 4 EPYC from position 322: a prefill-shaped trainer matched 82% of such
+    tokens; where they part depends on the ISA vLLM's attention runs, and tests/test_vllm_threads.py shows it on a
+    2,000-token sequence on any CPU). The trainer computes every row as its decode step did, and stays bit-equal to
+    the sampler at every position."""
     model = build_qwen3(tmp_path / "model")
     dump_dir, proc = dump_and_score(engine_python, model, tmp_path, KERNELS, enforce_eager=True, samples=2,
                                     tokens=440, engine_threads=2, max_model_len=512)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     dump, trainer = read_dump(dump_dir, vocab_size=264, max_model_len=512), torch.load(tmp_path / "trainer.pt")
-    parted = 0
-    for j, (rollout, prefill) in enumerate(zip(dump.rollouts, dump.prefill, strict=True)):
+    assert sum(len(r.token_ids) for r in dump.rollouts) == 2 * 440
+    for j, rollout in enumerate(dump.rollouts):
         sampler = torch.tensor(rollout.logprobs, dtype=torch.float32)
         for layout in ("unpadded", "left", "right"):
             assert torch.equal(trainer[layout][j], sampler), layout
-        parted += int((torch.tensor(prefill, dtype=torch.float32) != sampler).sum())
-    assert parted > 0  # the regime is the one described: the engine's own prefill is not its sampler here
 
 
 # ----------------------------------------------------------------------------------------------------------------
