@@ -37,7 +37,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from roundalign import compile_key
+from roundalign import compile_key, support
 from roundalign.errors import UserError
 from roundalign.kernels import batch as _batch
 from roundalign.kernels import vllm_cpu
@@ -159,7 +159,7 @@ class EngineGraph:
     def __init__(self, model):
         config = model.config
         self.base = model.model
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = support.head_dim(config)
         rope = _rope(config, self.head_dim)
         self.cache = rope.cos_sin_cache.to(torch.bfloat16)
         self.shape = (float(config.rms_norm_eps), config.num_attention_heads, config.num_key_value_heads,
@@ -234,17 +234,17 @@ def check(model) -> None:
         )
     if getattr(config, "use_sliding_window", False):
         raise UserError("forward='vllm-cpu-compiled' covers full attention; this config uses a sliding window")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d = support.head_dim(config)
     vllm_cpu.load()  # vLLM importable, and the release these calls are for, before its modules are asked anything
-    _rope(config, head_dim)
+    _rope(config, d)
     hidden = config.hidden_size
-    shapes = {
-        "qkv": ((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, hidden),
-        "o_proj": (hidden, config.num_attention_heads * head_dim),
-        "gate_up": (2 * config.intermediate_size, hidden),
-        "down_proj": (hidden, config.intermediate_size),
-    }
-    for shape in shapes.values():  # vLLM's choice of GEMM here, refused where the graph cannot call it
+    shapes = (
+        ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, hidden),  # q/k/v
+        (hidden, config.num_attention_heads * d),  # o_proj
+        (2 * config.intermediate_size, hidden),  # gate/up
+        (hidden, config.intermediate_size),  # down_proj
+    )
+    for shape in shapes:  # vLLM's choice of GEMM here, refused where the graph cannot call it
         vllm_cpu.linear(torch.zeros(shape, dtype=torch.bfloat16), None)
 
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from roundalign import support
 from roundalign.errors import UserError
 
 VERSION = "0.32"  # the vLLM release whose CPU backend this module calls as it calls its ops
@@ -59,10 +60,10 @@ def check_model(config) -> None:
     load()
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d = support.head_dim(config)
     sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in sizes:
-        raise UserError(f"vLLM's CPU attention supports head_dim {sizes}; this model has head_dim {head_dim}")
+    if d not in sizes:
+        raise UserError(f"vLLM's CPU attention supports head_dim {sizes}; this model has head_dim {d}")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float, prompts=None) -> torch.Tensor:
