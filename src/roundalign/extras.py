@@ -21,6 +21,7 @@ EXTRAS = {
     "trl": "trl",
     "accelerate": "trl",
     "datasets": "trl",
+    "reasoning_gym": "gym",
 }
 
 
