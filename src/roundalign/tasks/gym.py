@@ -8,7 +8,7 @@ model can learn them (the shipped ``tiny-llama-chars`` was trained on exactly th
     arithmetic   basic_arithmetic (two one-digit terms, + -), chain_sum (two or three terms up to 20)
     algorithmic  spell_backward (words of 3 to 5 letters)
     counting     letter_counting (2 to 4 words), count_bits (numbers up to 63)
-    probability  coin_flip (2 to 6 flips)
+    probability  coin_flip (2 to 10 flips)
 
 A domain can also be written out: ``words=spell_backward+word_sorting`` groups those datasets under the name
 ``words``, each with reasoning-gym's default config (whose prompts may be long). ``parse_domains`` reads a
@@ -54,7 +54,7 @@ BUILTIN_DOMAINS: dict[str, tuple[tuple[str, dict], ...]] = {
         ("letter_counting", {"min_words": 2, "max_words": 4}),
         ("count_bits", {"min_n": 1, "max_n": 63}),
     ),
-    "probability": (("coin_flip", {"min_trials": 2, "max_trials": 6}),),
+    "probability": (("coin_flip", {"min_trials": 2, "max_trials": 10}),),
 }  # fmt: skip
 DEFAULT_DOMAINS = "arithmetic,algorithmic,counting,probability"
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
