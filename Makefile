@@ -11,7 +11,8 @@
 # `make clean-venv` removes the venvs (a venv reused across locks keeps what the new lock dropped, and
 # tests/test_environment_lock.py says so).
 #
-# `make lock` re-resolves both locks with uv from pyproject.toml and requirements/*.in (scripts/lock.sh), and
+# `make lock` re-resolves the locks with uv from pyproject.toml and requirements/*.in (scripts/lock.sh), keeping every
+# existing pin the inputs still admit (`LOCK_UPGRADE=1 make lock` takes the newest of everything), and
 # `make test-latest` runs the suite in throwaway venvs with the newest releases those ranges admit, to find the next
 # incompatible release before users do (docs/environment.md: when to run each).
 

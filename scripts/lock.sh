@@ -8,9 +8,19 @@
 #   vllm.lock     <- requirements/vllm.in (vLLM's CPU build, TRL), vllm-excludes.txt
 #   verl.lock     <- requirements/verl.in (vLLM's CPU build, verl 0.9.1 and its trainer's imports), verl-overrides.txt,
 #                    verl-excludes.txt
-# Each file says why it holds what it holds. The resolution takes the newest release each range admits, today (uv
-# --refresh: not what its cache saw earlier); the lock then keeps it until the next `make lock`. Refresh deliberately (docs/environment.md says when), run
-# `make clean-venv test`, and commit the locks with the figures they were tested with.
+# Each file says why it holds what it holds.
+#
+# Two modes (docs/environment.md says when to use each):
+#   `make lock`                  keeps every pin of the committed lock that the inputs still admit (uv reads the
+#                                committed lock as its existing output file, and keeps its pins unless told to
+#                                upgrade) and resolves only what is new: a dependency added to the inputs comes in at
+#                                its newest release, with whatever it needs that the lock lacks, and nothing already
+#                                locked moves unless the new inputs exclude its version. Diff the result: only
+#                                additions are expected.
+#   `LOCK_UPGRADE=1 make lock`   re-resolves from nothing: the newest release each range admits, today (uv --refresh:
+#                                not what its cache saw earlier). Refresh deliberately, run `make clean-venv test`,
+#                                and commit the locks with the figures they were tested with. scripts/test-latest.sh
+#                                compiles this way.
 #
 # uv is pinned and runs from its own venv (.venv-lock), so two developers compile with the same resolver.
 # torch's CPU build (+cpu) is not on PyPI: uv finds it where pip does on this machine (PIP_FIND_LINKS, /opt/wheels),
@@ -20,6 +30,7 @@ cd "$(dirname "$0")/.."
 UV_VERSION=0.13.9
 LOCK_VENV="${LOCK_VENV:-.venv-lock}"
 OUT="${LOCK_OUT:-requirements}"
+UPGRADE="${LOCK_UPGRADE:-0}"
 PYTHON="${PYTHON:-python3}"
 
 if [[ ! -x "$LOCK_VENV/bin/uv" ]] || [[ "$("$LOCK_VENV/bin/uv" --version)" != "uv $UV_VERSION"* ]]; then
@@ -43,6 +54,9 @@ compile() {  # name, uv arguments...
   local name=$1; shift
   local tmp
   tmp=$(mktemp)
+  # uv keeps the pins of an existing output file (it prefers them, and moves one only when the inputs exclude it);
+  # an empty one, or LOCK_UPGRADE=1, takes the newest of everything.
+  if [[ "$UPGRADE" != 1 && -f "requirements/$name.lock" ]]; then cp "requirements/$name.lock" "$tmp"; fi
   "$UV" pip compile "${common[@]}" "$@" -o "$tmp"
   {
     echo "# inputs-sha256: $("$PYTHON" scripts/check_lock.py --print-hash "requirements/$name.lock")"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # `make test-latest`: the suite on the newest releases that pyproject.toml and requirements/*.in admit, in throwaway
 # venvs, so that the next incompatible release (as transformers 5.25 was for verl's path) is found by a developer,
-# not a user. The locks are compiled afresh into a temporary folder (scripts/lock.sh, same inputs, same uv), the three
+# not a user. The locks are compiled afresh into a temporary folder (LOCK_UPGRADE=1 scripts/lock.sh, same inputs, same uv), the three
 # venvs .venv-latest, .venv-vllm-latest and .venv-verl-latest are built from them (scripts/install-env.sh), what differs from the
 # committed locks is printed, and the suite runs there as `make test` runs it, less tests/test_environment_lock.py
 # (these venvs differ from the locks on purpose). Nothing committed changes: when the newest set passes and should be
-# adopted, run `make lock` and commit (docs/environment.md).
+# adopted, run `LOCK_UPGRADE=1 make lock` and commit (docs/environment.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -13,7 +13,7 @@ WORKERS="${TEST_WORKERS:-2}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-LOCK_OUT="$tmp" PYTHON="$PYTHON" scripts/lock.sh
+LOCK_OUT="$tmp" LOCK_UPGRADE=1 PYTHON="$PYTHON" scripts/lock.sh  # from nothing: the newest of everything
 echo "== newest releases against the committed locks"
 for name in trainer vllm verl; do
   "$PYTHON" - "$name" "requirements/$name.lock" "$tmp/$name.lock" <<'PY'
