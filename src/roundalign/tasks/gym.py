@@ -104,10 +104,13 @@ class Item:
 def parse_domains(spec: str) -> tuple[Domain, ...]:
     """``"arithmetic,counting"`` or ``"arithmetic,words=spell_backward+word_sorting"`` -> domains, in order.
 
-    Raises ``UserError`` naming the bad part: an unknown domain, an unknown dataset, an empty domain, a repeated name.
+    Raises ``UserError`` naming the bad part: an unknown domain, an unknown dataset, an empty domain, a repeated name
+    (of a domain, or of a dataset within one).
     Dataset names are checked against reasoning-gym's registry (so it must be installed)."""
     if not isinstance(spec, str) or not spec.strip():
-        raise UserError(f"--domains must name at least one domain (built-in: {', '.join(BUILTIN_DOMAINS)}), got {spec!r}")
+        raise UserError(
+            f"--domains must name at least one domain (built-in: {', '.join(BUILTIN_DOMAINS)}), got {spec!r}"
+        )
     domains: list[Domain] = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -128,7 +131,12 @@ def parse_domains(spec: str) -> tuple[Domain, ...]:
         if not any(names):
             raise UserError(f"--domains: domain {name!r} is empty; give it datasets, e.g. {name}=spell_backward")
         if "" in names:
-            raise UserError(f"--domains: domain {name!r} has an empty dataset name in {datasets!r}")
+            raise UserError(
+                f"--domains: domain {name!r} has an empty dataset name in {datasets!r}; separate datasets with single +"
+            )
+        twice = sorted({d for d in names if names.count(d) > 1})
+        if twice:  # the same seed would give the same items: each would come twice in a row
+            raise UserError(f"--domains: domain {name!r} names dataset(s) {twice} more than once; each dataset once")
         registry = _registry()
         unknown = [d for d in names if d not in registry]
         if unknown:
