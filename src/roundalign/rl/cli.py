@@ -23,8 +23,9 @@ from pathlib import Path
 from roundalign.errors import ExitStatus, UserError, flag
 from roundalign.numerics.correction import IS_MODES
 from roundalign.profiles import list_profiles
-from roundalign.rl.config import DTYPES, ENGINE_BACKENDS, ENGINES, OPTIMIZERS, TrainConfig
+from roundalign.rl.config import ADV_ESTIMATORS, DTYPES, ENGINE_BACKENDS, ENGINES, OPTIMIZERS, TrainConfig
 from roundalign.rl.objective import LOSS_TYPES
+from roundalign.rl.osol import RESIDUALS, SCHEDULES
 from roundalign.sync import MODES as SYNC_MODES
 from roundalign.tasks import arithmetic
 from roundalign.untrusted import read_json_object
@@ -132,6 +133,21 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
             Option("rollout_is", {"choices": IS_MODES}),
             Option("rollout_is_threshold", {"metavar": "U|L_U"}),
             Option("loss_scale", {"type": float}),
+        ),
+    ),
+    (
+        "multi-domain RL (OSOL)",
+        (
+            Option("domains", {"metavar": "SPEC"}),
+            Option("adv_estimator", {"choices": ADV_ESTIMATORS}),
+            Option("osol_focus_weight", {"type": float}),
+            Option("osol_other_weight", {"type": float}),
+            Option("osol_tau", {"type": float}),
+            Option("osol_clip", {"type": float}),
+            Option("osol_p_lo", {"type": float}),
+            Option("osol_p_hi", {"type": float}),
+            Option("osol_residual", {"choices": RESIDUALS}),
+            Option("osol_schedule", {"choices": SCHEDULES}),
         ),
     ),
     (

@@ -23,10 +23,13 @@ from roundalign.numerics.correction import ISCorrection
 from roundalign.options import SAMPLING, check_sampling
 from roundalign.profiles import get_profile
 from roundalign.rl.objective import LOSS_TYPES
+from roundalign.rl.osol import RESIDUALS, SCHEDULES
 from roundalign.sync import MODES as SYNC_MODES
 from roundalign.tasks import arithmetic
+from roundalign.tasks.gym import parse_domains
 
 OPTIMIZERS = ("adamw", "sgd")
+ADV_ESTIMATORS = ("grpo", "osol")  # verl's name for the setting: algorithm.adv_estimator
 DTYPES = tuple(dtypes.BY_NAME)
 ENGINE_BACKENDS = BACKENDS
 ENGINES = ("reference", "vllm")
@@ -49,6 +52,58 @@ class TrainConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature, > 0 (default {default})"})
     top_p: float = field(default=1.0, metadata={"help": SAMPLING["top_p"].help})
     level: int = field(default=3, metadata={"help": "arithmetic level of the training problems (default {default})"})
+    domains: str | None = field(
+        default=None,
+        metadata={
+            "help": "train on reasoning-gym domains instead of the arithmetic task: built-in names (arithmetic, "
+            "algorithmic, counting, probability) or name=dataset+dataset, separated by commas; each step's prompts "
+            "are shared equally among them and each domain's reward is logged (the [gym] extra; "
+            "docs/multi-domain.md). Use the shipped tiny-llama-chars (--model tiny-llama-chars)"
+        },
+    )
+    adv_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "the advantage: grpo (default) or osol (OSOL's cross-step interference control over --domains: "
+            "a rotating focus domain, domain weights and a footprint-ranked penalty; docs/multi-domain.md)"
+        },
+    )
+    osol_focus_weight: float = field(
+        default=1.0, metadata={"help": "osol: weight w_f of the focus domain's advantages (default {default:g}; ours)"}
+    )
+    osol_other_weight: float = field(
+        default=0.5,
+        metadata={
+            "help": "osol: weight of the other domains' advantages, below the focus weight (default {default:g}; the "
+            "paper says only w_f > w_nf: the value is ours)"
+        },
+    )
+    osol_tau: float = field(
+        default=0.03, metadata={"help": "osol: tau, the residual's scale against std(A_base) (default {default:g})"}
+    )
+    osol_clip: float = field(
+        default=3.0, metadata={"help": "osol: corrected advantages are clipped to [-c, c] (default {default:g})"}
+    )
+    osol_p_lo: float = field(
+        default=0.1, metadata={"help": "osol: the penalty of the least negative footprint (default {default:g})"}
+    )
+    osol_p_hi: float = field(
+        default=1.0, metadata={"help": "osol: the penalty of the most negative footprint (default {default:g})"}
+    )
+    osol_residual: str = field(
+        default="drift",
+        metadata={
+            "help": "osol: drift (default: penalties ranked by the footprint), random (the same penalties in a random "
+            "order: an ablation) or none (the domain weights alone: an ablation)"
+        },
+    )
+    osol_schedule: str = field(
+        default="random",
+        metadata={
+            "help": "osol: the focus domain: random (default, ours: uniform over the domains but the last focus) or "
+            "cycle (a fixed rotation)"
+        },
+    )
     engine: str = field(
         default="reference",
         metadata={
@@ -250,6 +305,7 @@ class TrainConfig:
                 f"--temperature must be > 0, got {self.temperature!r}: greedy rollouts make every "
                 "completion of a group identical, so every advantage is 0 and nothing is learned"
             )
+        self._validate_domains()
         if isinstance(self.level, bool) or self.level not in arithmetic.LEVELS:
             raise UserError(f"--level must be one of {', '.join(map(str, arithmetic.LEVELS))}, got {self.level!r}")
         check_sampling({"top_p": self.top_p})  # the range every command checks; temperature's is stricter here
@@ -341,6 +397,47 @@ class TrainConfig:
             if self.engine_backend != "kernels":
                 raise UserError("--dtype float16 runs the engine's kernels backend; drop --engine-backend inductor")
         return self
+
+    def _validate_domains(self) -> None:
+        _choice(self.adv_estimator, ADV_ESTIMATORS, "adv_estimator")
+        if self.domains is not None:
+            if not isinstance(self.domains, str):
+                raise UserError(f"--domains must be a string such as arithmetic,counting, got {self.domains!r}")
+            n = len(parse_domains(self.domains))  # UserError naming a bad domain or dataset
+            if self.prompts_per_step < n:
+                raise UserError(
+                    f"--prompts-per-step {self.prompts_per_step} is below the {n} domains of --domains: each step "
+                    f"gives every domain an equal share; use --prompts-per-step {n} or more (a multiple of {n})"
+                )
+        osol_set = [f.name for f in dataclasses.fields(self) if f.name.startswith("osol_")]
+        if self.adv_estimator != "osol":
+            given = [n for n in osol_set if getattr(self, n) != _DEFAULTS[n]]
+            if given:
+                raise UserError(
+                    f"{', '.join(map(flag, given))} set OSOL's advantage: add --adv-estimator osol, or drop them"
+                )
+            return
+        if self.domains is None or len(parse_domains(self.domains)) < 2:
+            raise UserError(
+                "--adv-estimator osol rotates a focus over domains: give --domains with at least two (for one domain "
+                "alone, use --adv-estimator grpo)"
+            )
+        for name in ("osol_focus_weight", "osol_other_weight", "osol_tau", "osol_clip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise UserError(f"{flag(name)} must be a finite number >= 0, got {v!r}")
+        if self.osol_clip <= 0:
+            raise UserError(f"--osol-clip must be > 0, got {self.osol_clip!r}")
+        if not (0 <= self.osol_p_lo <= self.osol_p_hi <= 1):
+            raise UserError(
+                f"--osol-p-lo and --osol-p-hi need 0 <= p_lo <= p_hi <= 1, got {self.osol_p_lo!r} and "
+                f"{self.osol_p_hi!r}"
+            )
+        _choice(self.osol_residual, RESIDUALS, "osol_residual")
+        _choice(self.osol_schedule, SCHEDULES, "osol_schedule")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 def _positive_int(v, name: str) -> None:

@@ -1,4 +1,4 @@
-"""The RL task: arithmetic word problems with a verifiable reward, a fixed held-out split, and per-step batches.
+"""The RL tasks: arithmetic word problems with a verifiable reward, a fixed held-out split, and per-step batches.
 
 The shipped tiny-qwen3 was pretrained on a mix of levels 1/2/3 (40/35/25%) and solves level 3 greedily 55% of the
 time (docs/tiny-model.md), so the default RL task, level 3 alone, is harder than its pretraining mix yet leaves
@@ -8,13 +8,17 @@ completion's final "The answer is N." matches, else 0.0 (``roundalign.tasks.arit
 Held-out split: ``eval_problems`` problems drawn once from their own seed stream; a training batch never contains a
 prompt that is in it. Training batches are a pure function of (run seed, step), so a resumed run sees exactly the
 batches the uninterrupted run would have seen, without saving any sampler state.
+
+With ``--domains``, the task is ``MultiDomainTask``: reasoning-gym's domains (``roundalign.tasks.gym``) scored by its
+own verifiers, with the same held-out rule per domain. Both tasks answer ``prompt``, ``reward`` and ``domain``.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from roundalign.tasks.arithmetic import Problem, format_prompt, make_problems
+from roundalign.errors import UserError
+from roundalign.tasks.arithmetic import Problem, format_prompt, make_problems, reward
 
 EVAL_SEED_BASE = 1_000_003  # eval problems come from seeds far from any training step's
 
@@ -51,3 +55,77 @@ class Task:
     @staticmethod
     def prompt(problem: Problem) -> str:
         return format_prompt(problem)
+
+    domains = ("arithmetic",)
+
+    @staticmethod
+    def reward(text: str, problem: Problem) -> float:
+        return reward(text, problem)
+
+    @staticmethod
+    def domain(problem: Problem) -> int:
+        return 0
+
+
+class MultiDomainTask:
+    """reasoning-gym domains (``roundalign.tasks.gym``): each domain's held-out items, and per-step batches that
+    give every domain an equal share of the prompts (prompt i of a step comes from domain i mod D), so each
+    domain's reward and OSOL's focus domain always have samples.
+
+    Held-out split: ``eval_problems`` items per domain, drawn once from their own seed; a training batch skips their
+    prompts. A domain with so few distinct prompts that the held-out split leaves none to train on is an error."""
+
+    def __init__(self, spec: str, seed: int, eval_problems: int):
+        from roundalign.tasks import gym
+
+        self._gym = gym
+        self.spec, self.seed = spec, seed
+        self._domains = gym.parse_domains(spec)
+        self.domains = tuple(d.name for d in self._domains)
+        self._index = {name: i for i, name in enumerate(self.domains)}
+        self.eval_sets = {
+            d.name: _unique(gym.make_items(d, eval_problems, EVAL_SEED_BASE + seed)) for d in self._domains
+        }
+        self.eval_set = [item for items in self.eval_sets.values() for item in items]
+        self._held_out = {item.prompt for item in self.eval_set}
+
+    def train_batch(self, step: int, n: int) -> list:
+        per_domain = {}
+        for j, d in enumerate(self._domains):
+            want = len(range(j, n, len(self._domains)))
+            items: list = []
+            for draw in range(32):  # new draws until the held-out prompts are skipped; bounded, never a hang
+                if len(items) >= want:
+                    break
+                fresh = self._gym.make_items(d, 2 * want, _step_seed(self.seed, step, f"gym/{d.name}/{draw}"))
+                items += [it for it in fresh if it.prompt not in self._held_out][: want - len(items)]
+            if len(items) < want:
+                raise UserError(
+                    f"domain {d.name!r}: 32 draws of {2 * want} items found only {len(items)} prompts outside the "
+                    f"held-out split; it has too few distinct prompts: lower --eval-problems or widen its datasets"
+                )
+            per_domain[d.name] = items
+        return [per_domain[self.domains[i % len(self.domains)]][i // len(self.domains)] for i in range(n)]
+
+    @staticmethod
+    def prompt(item) -> str:
+        return item.prompt
+
+    def reward(self, text: str, item) -> float:
+        return self._gym.score(text, item)
+
+    def domain(self, item) -> int:
+        return self._index[item.domain]
+
+
+def _unique(items: list) -> list:
+    """``items`` without repeated prompts (a small domain draws some twice), in order."""
+    seen: set[str] = set()
+    return [it for it in items if not (it.prompt in seen or seen.add(it.prompt))]
+
+
+def make_task(config):
+    """The run's task: the arithmetic problems of ``--level``, or ``--domains``' reasoning-gym domains."""
+    if config.domains:
+        return MultiDomainTask(config.domains, config.seed, config.eval_problems)
+    return Task(config.level, config.seed, config.eval_problems)

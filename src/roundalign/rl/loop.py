@@ -41,13 +41,13 @@ from roundalign.numerics.metrics import mismatch_metrics
 from roundalign.profiles import PROFILES, get_profile
 from roundalign.rl import checkpoint, faults
 from roundalign.rl.config import TRAINER_QUANTIZATION_ALIGNED, TRAINER_SAME_AS_ENGINE, TrainConfig
-from roundalign.rl.data import Task, sampling_seed
+from roundalign.rl.data import make_task, sampling_seed
 from roundalign.rl.logbook import Logbook, Progress
 from roundalign.rl.objective import group_advantages, policy_loss
+from roundalign.rl.osol_step import OsolStep
 from roundalign.rl.policy import NonFiniteError, Policy
 from roundalign.sync import Exporter, UpdateTracker
 from roundalign.sync.grid import served_weights
-from roundalign.tasks.arithmetic import reward
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # a checkpoint's served copy: what is cast back on resume
 
@@ -81,10 +81,8 @@ class Run:
     """The state of one run: engine, policy, exporter, tracker, task, logbook."""
 
     def __init__(self, config: TrainConfig, out: Path, console=None, tensorboard: bool = True):
-        from roundalign.models import path as model_path
-
         self.config, self.out = config, out
-        self.model_dir = Path(config.model) if config.model else model_path("tiny-qwen3")
+        self.model_dir = _model_dir(config.model)
         if config.engine == "vllm":  # started first: it binds this process's threads, which the trainer then shares
             from roundalign.engines.vllm.inprocess import VllmEngine
 
@@ -102,7 +100,8 @@ class Run:
         # A quantized engine is exported onto its grid by the sync mode (Fair Cast on the grid, roundalign.sync.grid).
         self.exporter = Exporter(config.sync, seed=config.seed, dtype=DTYPE[config.dtype], scheme=config.served_scheme)
         self.tracker = UpdateTracker(lag_window=config.lag_window, seed=config.seed)
-        self.task = Task(config.level, config.seed, config.eval_problems)
+        self.task = make_task(config)
+        self.osol = OsolStep(config, len(self.task.domains)) if config.adv_estimator == "osol" else None
         self.correction = config.correction()
         self.console = console
         self.tensorboard = tensorboard
@@ -122,13 +121,24 @@ class Run:
     def _serve(self, served: dict) -> None:
         """The engine serves ``served``; the trainer computes on it (--loss-on-served) or on the master's RNE cast."""
         self.engine.load_weights(served)
-        self.policy.set_compute_weights(served if self.config.resolved_loss_on_served else None)
+        source = served if self.config.resolved_loss_on_served else None
+        self.policy.set_compute_weights(source)
+        if self.osol is not None:  # the new weights become pi_k; the ones before, the footprint's pi_{k-1}
+            self.osol.remember(self.policy, source)
         self.served = served
 
-    def evaluate(self) -> float:
-        prompts = [self.task.prompt(p) for p in self.task.eval_set]
+    def evaluate(self) -> dict:
+        """Greedy held-out reward: ``eval/accuracy`` (over several domains, their macro average) and, with
+        ``--domains``, ``eval/<domain>/reward``."""
+        task = self.task
+        prompts = [task.prompt(p) for p in task.eval_set]
         outs = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.config.max_tokens))
-        return sum(reward(o.text, p) for o, p in zip(outs, self.task.eval_set, strict=True)) / len(outs)
+        scores = [task.reward(o.text, p) for o, p in zip(outs, task.eval_set, strict=True)]
+        if not self.config.domains:
+            return {"eval/accuracy": sum(scores) / len(scores)}
+        out = per_domain(scores, [task.domain(p) for p in task.eval_set], task.domains, "eval/{}/reward")
+        out["eval/accuracy"] = sum(out.values()) / len(out)  # the macro average: every domain counts the same
+        return out
 
     def step(self, step: int) -> dict:
         c, m = self.config, {}
@@ -144,7 +154,10 @@ class Run:
         )
         outs = self.engine.generate([self.task.prompt(p) for p in batch], params)
         faults.point("sampling", step)
-        rewards = torch.tensor([reward(o.text, p) for o, p in zip(outs, batch, strict=True)])
+        rewards = torch.tensor([self.task.reward(o.text, p) for o, p in zip(outs, batch, strict=True)])
+        domains = [self.task.domain(p) for p in batch]
+        if c.domains:
+            m |= per_domain(rewards.tolist(), domains, self.task.domains, "reward/{}/mean")
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float64)
         m["reward/mean"], m["reward/std"] = float(rewards.mean()), float(rewards.std())
         m["accuracy/train"] = float((rewards == 1).double().mean())
@@ -167,16 +180,27 @@ class Run:
         faults.point("recompute", step)
         t2 = time.perf_counter()
 
-        m |= self._update(step, outs, old_pad, mask, weights, group_advantages(rewards, c.group_size))
+        advantages = group_advantages(rewards, c.group_size)
+        if self.osol is not None:  # per-token advantages: OSOL's footprint on the focus domain's tokens
+            advantages, osol_metrics = self.osol.advantages(
+                step, self.policy, outs, domains, advantages, old_pad, mask, _pad(sampler)[0]
+            )
+            m |= osol_metrics
+        t_update = time.perf_counter() if self.osol is not None else t2  # the phases sum to timing_s/step
+        m |= self._update(step, outs, old_pad, mask, weights, advantages)
         t3 = time.perf_counter()
         m |= self.sync(step)
-        t4 = time.perf_counter()
+        t4 = t5 = time.perf_counter()
+        if self.osol is not None:  # how much of the last update this one undid, on the focus tokens
+            m |= self.osol.backtracking(self.policy, outs)
+            t5 = time.perf_counter()
+            m["timing_s/osol"] = t5 - t4 + (t_update - t2)  # its two forwards: the phases sum to timing_s/step
         m |= {
             "timing_s/rollout": t1 - t0,
             "timing_s/recompute": t2 - t1,
-            "timing_s/update": t3 - t2,
+            "timing_s/update": t3 - t_update,
             "timing_s/sync": t4 - t3,
-            "timing_s/step": t4 - t0,
+            "timing_s/step": t5 - t0,
         }
         return m
 
@@ -199,7 +223,7 @@ class Run:
         or an export with the run's exporter under ``--loss-on-served``); the engine is synced once, after the last.
         Statistics are means over the passes."""
         c, policy = self.config, self.policy
-        trained = [i for i in range(len(outs)) if advantages[i] != 0]
+        trained = [i for i in range(len(outs)) if bool((advantages[i] != 0).any())]
         n_tokens = int(mask[trained].sum()) if trained else 0
         totals = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
         updates: list[dict] = []
@@ -220,7 +244,7 @@ class Run:
                 result = policy_loss(
                     logp[None],
                     old_pad[i : i + 1, :n],
-                    advantages[i : i + 1],
+                    advantages[i : i + 1] if advantages.dim() == 1 else advantages[i : i + 1, :n],
                     mask[i : i + 1, :n],
                     loss_type=c.loss_type,
                     clip_eps=c.resolved_clip_eps,
@@ -245,7 +269,7 @@ class Run:
             "policy": self.policy.state_dict(),
             "exporter": self.exporter.state_dict(),
             "tracker": self.tracker.state_dict(),
-        }
+        } | ({"osol": self.osol.state_dict()} if self.osol is not None else {})
 
     def restore(self) -> int | None:
         """Load the newest readable checkpoint; its step, or None when the run has none."""
@@ -257,6 +281,8 @@ class Run:
         self.exporter.load_state_dict(state["exporter"])
         self.tracker.load_state_dict(state["tracker"])
         self._serve({k: v.to(DTYPE[self.config.dtype]) if v.dtype in _FLOATS else v for k, v in served.items()})
+        if self.osol is not None:  # after _serve, which remembered the weights before the restore
+            self.osol.load_state_dict(state.get("osol"))
         return int(state["step"])
 
     def _say(self, message: str) -> None:
@@ -265,6 +291,25 @@ class Run:
 
     def save(self, step: int) -> Path:
         return checkpoint.save(self.out, step, self.policy.master_state(), self.served, self.state())
+
+
+def per_domain(values: list[float], domains: list[int], names: tuple[str, ...], key: str) -> dict[str, float | None]:
+    """The mean of ``values`` per domain, under ``key.format(name)`` (None for a domain without values)."""
+    out: dict[str, float | None] = {}
+    for i, name in enumerate(names):
+        mine = [v for v, d in zip(values, domains, strict=True) if d == i]
+        out[key.format(name)] = sum(mine) / len(mine) if mine else None
+    return out
+
+
+def _model_dir(model: str | None) -> Path:
+    """``--model``: a directory, or the name of a shipped model (default tiny-qwen3)."""
+    from roundalign.models import list_models
+    from roundalign.models import path as model_path
+
+    if model is None or (model in list_models() and not Path(model).is_dir()):
+        return model_path(model or "tiny-qwen3")
+    return Path(model)
 
 
 def _restart(out: Path, console, why: str) -> None:
@@ -354,7 +399,7 @@ def train(
     try:
         if start == 0:
             t = time.perf_counter()
-            book.write(0, {"eval/accuracy": run.evaluate(), "timing_s/eval": time.perf_counter() - t})
+            book.write(0, run.evaluate() | {"timing_s/eval": time.perf_counter() - t})
         for step in range(start + 1, config.steps + 1):
             try:
                 metrics = run.step(step)
@@ -364,7 +409,7 @@ def train(
                 raise TrainingDiverged(f"{exc}; the run stops here and {where}") from None
             if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                 t = time.perf_counter()
-                metrics["eval/accuracy"] = run.evaluate()
+                metrics |= run.evaluate()
                 metrics["timing_s/eval"] = time.perf_counter() - t
             book.write(step, metrics)
             faults.point("metrics", step)
