@@ -34,8 +34,8 @@ LAYERS = [
     ["patch"],
     ["trainer"],
     ["engines"],
-    ["probe", "dump", "fit", "fingerprint", "rl", "integrations"],
-    ["calibrate"],
+    ["probe", "dump", "fit", "fingerprint", "rl"],
+    ["calibrate", "integrations"],
     ["cli"],
     ["__main__"],
 ]

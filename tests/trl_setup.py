@@ -55,9 +55,10 @@ def reward_brevity(prompts, completions, **kwargs):
 
 def trainer(
     model, tokenizer, out: str, *, fp32: bool = True, steps: int = 3, generations: int = 8, rollout_func=None,
-    rewards=(reward_exact,), **config,
+    rewards=(reward_exact,), train_dataset=None, **config,
 ):  # fmt: skip
-    """A GRPOTrainer; ``rewards`` its reward functions, ``config`` overrides GRPOConfig fields."""
+    """A GRPOTrainer; ``rewards`` its reward functions, ``train_dataset`` (default ``dataset()``) its prompts,
+    ``config`` overrides GRPOConfig fields."""
     from trl import GRPOConfig, GRPOTrainer
 
     kw = dict(
@@ -83,7 +84,7 @@ def trainer(
             model=model,
             args=args,
             reward_funcs=list(rewards),
-            train_dataset=dataset(),
+            train_dataset=dataset() if train_dataset is None else train_dataset,
             processing_class=tokenizer,
             rollout_func=rollout_func,
         )

@@ -1,13 +1,16 @@
 """Where roundalign hooks TRL and verl without a documented seam, checked against the source it relies on.
 
 Where a framework offers a documented seam, the integrations use it: TRL's ``rollout_func`` and ``callbacks``; Ray's
-``worker_process_setup_hook`` and ``runtime_env`` for verl's workers. Five hooks have none, and each is guarded
+``worker_process_setup_hook`` and ``runtime_env`` for verl's workers. Six hooks have none, and each is guarded
 here by ``check_source`` before it is installed, so a release that moved the code fails loudly instead of silently
 training with stock numerics:
 
 - TRL 1.16 corrects a sampler's log-probs (importance sampling, ``sampling/*`` metrics) only on its vLLM branch;
   ``EngineRolloutFunc.attach`` turns that branch on (``trainer.use_vllm``) with a stand-in ``vllm_generation``
   (``integrations/trl.py``, ``TRL_IS_BRANCH``).
+- TRL 1.16 computes advantages inline in ``_generate_and_score_completions``; ``OsolAdvantage.attach`` overrides
+  that method on the trainer instance and puts (B, T) advantages in its output, which ``_compute_loss`` reads as
+  given (``integrations/trl_osol.py``, ``TRL_ADVANTAGES``).
 - verl 0.9.1 patches the actor's model in ``FSDPEngine._build_module`` through the module-level name
   ``apply_monkey_patch``, which the verl hooks rebind (``integrations/verl/hooks.py``).
 - verl 0.9.1 casts fp32 shards to bf16 inside ``get_per_tensor_param_shard``, where the verl hooks put Fair Cast.
@@ -29,6 +32,21 @@ TRL_IS_BRANCH = (
     ("_generate", ["self.vllm_generation.sync_weights()"]),
 )
 
+# TRL 1.16 grpo_trainer.py: the advantages leave _generate_and_score_completions per rank in its output dict, reach
+# the loss through _prepare_inputs' shuffle and split (row-wise), and the loss unsqueezes only 1-D ones.
+TRL_ADVANTAGES = (
+    ("_generate_and_score_completions", ["advantages = advantages[process_slice]", '"advantages": advantages']),
+    (
+        "_prepare_inputs",
+        [
+            "generation_batch = self._generate_and_score_completions(generation_batch)",
+            "shuffle_sequence_dict(generation_batch)",
+            "split_tensor_dict(generation_batch",
+        ],
+    ),
+    ("_compute_loss", ['advantages = inputs["advantages"]', "if advantages.dim() == 1:", "advantages.unsqueeze(1)"]),
+)
+
 
 def check_source(func, needles: list[str], what: str, library: str) -> None:
     """``RuntimeError`` unless ``func``'s source holds every one of ``needles``, in that order."""
@@ -41,4 +59,4 @@ def check_source(func, needles: list[str], what: str, library: str) -> None:
         )
 
 
-__all__ = ["TRL_IS_BRANCH", "check_source"]
+__all__ = ["TRL_ADVANTAGES", "TRL_IS_BRANCH", "check_source"]
