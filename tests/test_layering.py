@@ -22,8 +22,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lowest first. Components on one layer do not import each other.
 LAYERS = [
-    ["errors", "compile_key", "native", "tasks", "durable"],
-    ["extras", "options", "models", "support", "untrusted"],
+    ["errors", "compile_key", "native", "durable"],
+    ["extras", "options", "models", "support", "untrusted", "tasks"],
     ["console", "prompts", "rollouts", "quant"],
     ["profiles"],
     ["numerics"],
