@@ -4,9 +4,11 @@
         -- --steps 40 --engine-profile sglang
 
 Everything after ``--`` is passed to every ``roundalign train`` run unchanged (the fixed train options); each grid
-key adds one option per run. The grid is the cartesian product of its value lists, in the order the keys were
-given, with ``seed`` varied last so that the seeds of one configuration sit next to each other. Runs that differ
-only in ``seed`` form one *configuration*: the table and the plots show its mean and spread across seeds.
+key adds one option per run (``method=grpo,alone,osol,...`` with ``-- --domains a,b,...``: the train options of a
+multi-domain method, rl/compare_methods.py). The grid is the cartesian
+product of its value lists, in the order the keys were given, with ``seed`` varied last so that the seeds of one
+configuration sit next to each other. Runs that differ only in ``seed`` form one *configuration*: the table and the
+plots show its mean and spread across seeds (``method=alone``'s runs of all the domains are one configuration too).
 
 Every cell is validated with ``roundalign train``'s own parser and ``TrainConfig.validate`` before anything runs,
 so a bad combination (``sync=rne`` with a fixed ``--loss-on-served``) fails the whole grid at once, naming the cell,
@@ -15,7 +17,8 @@ before any run starts. Each cell runs as its own process (``python -m roundalign
 between them. A failed cell is reported with the tail of its log and the grid exits non-zero at the end, after the
 other cells ran. A cell whose directory already holds the finished run of the same settings is skipped, so a grid
 can be re-run to add cells; ``--force`` reruns it. ``out/summary.md`` (``summary.json``) and ``out/plots/*.png``
-come from whatever finished runs ``out`` holds; ``--plots-only`` redoes just them.
+come from whatever finished runs ``out`` holds; ``--plots-only`` redoes just them. Runs with ``--domains`` get the
+multi-domain summary and plots instead (rl/compare_multidomain.py: held-out reward per domain, OSOL's metrics).
 
 This module is the command (``add_arguments``, ``CompareConfig``, ``run``) and the face of the library: the grid is
 planned in rl/compare_plan.py, run in rl/compare_run.py, tabulated in rl/compare_summary.py and drawn in
@@ -32,6 +35,8 @@ from pathlib import Path
 from roundalign import durable
 from roundalign.errors import ExitStatus, UserError
 from roundalign.extras import available
+from roundalign.rl.compare_methods import METHODS
+from roundalign.rl.compare_multidomain import is_multidomain, summarize_domains
 from roundalign.rl.compare_plan import Cell, parse_grid, plan, train_config
 from roundalign.rl.compare_run import DEFAULT_COMMAND, GridError, run_grid, say
 from roundalign.rl.compare_summary import GRID_ALIASES, Run, load_runs, summarize
@@ -41,6 +46,7 @@ __all__ = [
     "GRID_ALIASES",
     "Cell",
     "CompareConfig",
+    "METHODS",
     "GridError",
     "Run",
     "add_arguments",
@@ -51,6 +57,7 @@ __all__ = [
     "run",
     "run_grid",
     "summarize",
+    "summarize_domains",
     "train_config",
 ]
 
@@ -63,7 +70,8 @@ class CompareConfig:
     grid: tuple[str, ...] | None = field(
         default=None,
         metadata={
-            "help": "the grid: one KEY=V1,V2 per varied setting; KEY is trainer, engine, is, seed or any train "
+            "help": "the grid: one KEY=V1,V2 per varied setting; KEY is trainer, engine, is, seed, method (with "
+            "--domains: grpo, alone, osol, osol-no-residual, osol-random-residual, osol-equal-weights) or any train "
             "option's name (sync, loss-type, lr, ...)"
         },
     )
@@ -149,6 +157,7 @@ def run(config: CompareConfig) -> int:
     """Plan, run, summarize and plot; 0 when every cell ran, ``ExitStatus.RUNS_FAILED`` when some failed (the rest
     is still summarized and plotted)."""
     from roundalign.console import make_console
+    from roundalign.rl.compare_multidomain import plot_domains
     from roundalign.rl.compare_plots import plot
 
     console = make_console()
@@ -170,7 +179,8 @@ def run(config: CompareConfig) -> int:
             say(console, f"[red]{exc}[/red]")
             status = ExitStatus.RUNS_FAILED
     runs = load_runs(out)
-    summary = summarize(runs, out)
+    multidomain = is_multidomain(runs)  # per-domain held-out rewards instead of the single-task table and plots
+    summary = (summarize_domains if multidomain else summarize)(runs, out)
     say(console, summary.read_text(), markup=False)
     if not available("matplotlib"):
         # The runs and the summary are done: say how to draw the plots later rather than fail after all that work
@@ -182,6 +192,6 @@ def run(config: CompareConfig) -> int:
             markup=False,
         )
         return status
-    paths = plot(runs, out, smooth=config.smooth)
+    paths = (plot_domains if multidomain else plot)(runs, out, smooth=config.smooth)
     say(console, f"summary: {summary} (and summary.json); plots: {len(paths)} PNG in {out / 'plots'}/")
     return status

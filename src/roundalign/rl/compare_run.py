@@ -126,10 +126,11 @@ def run_grid(
             "label": cell.label,
             "settings": cell.settings,
             "seed": cell.seed,
-            "argv": [*fixed_args, *cell.train_options()],
+            **({"domain": cell.domain} if cell.domain is not None else {}),  # method=alone: the domain it trains
+            "argv": cell.argv(fixed_args),
         }
         durable.write_text(run_dir / "cell.json", json.dumps(info, indent=2) + "\n")
-        argv = [*command, "--out", str(run_dir), "--quiet", *fixed_args, *cell.train_options()]
+        argv = [*command, "--out", str(run_dir), "--quiet", *cell.argv(fixed_args)]
         with open(run_dir / "train.log", "w") as log:
             return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
 

@@ -4,6 +4,7 @@ Part of ``roundalign compare`` (rl/compare_plan.py plans the grid, rl/compare_ru
 the command, rl/compare_plots.py draws it). A run is a cell's directory: its ``cell.json`` settings, ``config.json``
 and ``metrics.jsonl``. Runs that differ only in ``seed`` form one configuration, summarized as mean +- std across
 seeds of each metric's average over the last quarter of the run's steps (the last evaluation for eval accuracy).
+Runs with ``--domains`` are summarized per domain instead, by rl/compare_multidomain.py.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def across_seeds(values: list[float | None]) -> dict:
     return {"mean": mean, "std": std, "n": len(v)}
 
 
-def _fmt(stat: dict, seeds: int) -> str:
+def fmt_stat(stat: dict, seeds: int) -> str:
+    """``across_seeds``' stat as a table cell: ``mean ± std``, and how many seeds had a value when not all."""
     if stat["mean"] is None:
         return "–"
     text = f"{stat['mean']:.3g}" + ("" if stat["std"] is None else f" ± {stat['std']:.2g}")
@@ -144,13 +146,30 @@ def summary_metrics(runs: list[Run]) -> tuple[tuple[str, str], ...]:
     return SUMMARY_METRICS + tuple(m for m in OPTIONAL_SUMMARY_METRICS if m[0] in logged)
 
 
+def read_grid(out: Path) -> dict:
+    """The grid.json compare wrote into ``out`` ({} for a directory of runs compare did not plan)."""
+    grid_file = Path(out) / "grid.json"
+    return json.loads(grid_file.read_text()) if grid_file.is_file() else {}
+
+
+def grid_lines(grid: dict, runs: list[Run]) -> list[str]:
+    """summary.md's lines on the grid: its keys and fixed options, and the planned cells that have no run."""
+    if not grid:
+        return []
+    spec = " ".join(f"{SHORT_NAMES.get(k, k)}={','.join(v)}" for k, v in grid.get("grid", {}).items())
+    lines = [f"Grid: `{spec}`; fixed train options: `{' '.join(grid.get('fixed_args', [])) or '(none)'}`."]
+    missing = [c for c in grid.get("cells", []) if c not in {r.name for r in runs}]
+    if missing:
+        lines += ["", f"Not in the table (not run, or failed before logging a step): {', '.join(missing)}."]
+    return [*lines, ""]
+
+
 def summarize(runs: list[Run], out: Path) -> Path:
     """Write out/summary.md (a table, one row per configuration) and out/summary.json; return the .md path."""
     if not runs:
         raise UserError("no runs to summarize")
     out = Path(out)
-    grid_file = out / "grid.json"
-    grid = json.loads(grid_file.read_text()) if grid_file.is_file() else {}
+    grid = read_grid(out)
     metrics = summary_metrics(runs)
     rows = []
     for label, group in group_runs(runs).items():
@@ -171,15 +190,7 @@ def summarize(runs: list[Run], out: Path) -> Path:
         "out), eval accuracy is the run's last evaluation, and k3_kl@1 is the first training step's value. Cells "
         "show mean ± sample std (n-1) across the seeds of a configuration; a single seed has no ± part."
     )
-    lines = ["# roundalign compare", ""]
-    if grid:
-        spec = " ".join(f"{SHORT_NAMES.get(k, k)}={','.join(v)}" for k, v in grid.get("grid", {}).items())
-        lines += [f"Grid: `{spec}`; fixed train options: `{' '.join(grid.get('fixed_args', [])) or '(none)'}`."]
-        missing = [c for c in grid.get("cells", []) if c not in {r.name for r in runs}]
-        if missing:
-            lines += ["", f"Not in the table (not run, or failed before logging a step): {', '.join(missing)}."]
-        lines += [""]
-    lines += [how, ""]
+    lines = ["# roundalign compare", "", *grid_lines(grid, runs), how, ""]
     header = ["configuration", "seeds", "steps", *(h for _, h in metrics), "k3_kl@1"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -189,8 +200,8 @@ def summarize(runs: list[Run], out: Path) -> Path:
             row["configuration"],
             ",".join(str(s) for s in row["seeds"]),
             str(steps),
-            *(_fmt(row["metrics"][k], n) for k, _ in metrics),
-            _fmt(row["k3_kl_first_step"], n),
+            *(fmt_stat(row["metrics"][k], n) for k, _ in metrics),
+            fmt_stat(row["k3_kl_first_step"], n),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     path = out / "summary.md"
