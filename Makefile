@@ -74,9 +74,10 @@ demo: $(STAMP)
 # The benchmark suite (issues 6 and 18): per-op and model-level cost of alignment against stock HF, as ratios
 # measured in the same run, the ops' first-use compile time (cold and warm), and the exact trainer's cost (vLLM's
 # kernels in the trainer, run in .venv-vllm where vLLM's ops load), Fair Cast's export against the RNE cast (two
-# minutes, about 9 GB of memory at its peak), and a quantized engine's trainers and exports (benchmarks/quant_cost.py). Writes the tables into docs/benchmarks.md and
-# the raw JSON into docs/benchmarks/. About an hour on a 2-core CPU without native bf16 GEMMs (the exact trainer's
-# suite is most of it); run it on an idle machine.
+# minutes, about 9 GB of memory at its peak), a quantized engine's trainers and exports (benchmarks/quant_cost.py), and
+# OSOL's training step against GRPO's on one batch (benchmarks/osol_cost.py, about 6 min). Writes the tables into
+# docs/benchmarks.md and the raw JSON into docs/benchmarks/. About an hour on a 2-core CPU without native bf16
+# GEMMs (the exact trainer's suite is most of it); run it on an idle machine.
 bench: $(STAMP) $(VLLM_STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	$(PY) benchmarks/ops.py --json "$$tmp/ops.json" && \
@@ -85,8 +86,10 @@ bench: $(STAMP) $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/exact_step.py --json "$$tmp/exact.json" && \
 	$(PY) benchmarks/sync_export.py --dtypes bf16,fp16 --threads 1,2 --no-tracker --repeats 7 --json "$$tmp/sync.json" && \
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/quant_cost.py --json "$$tmp/quant.json" && \
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/osol_cost.py --json "$$tmp/osol.json" && \
 	$(PY) benchmarks/report.py --ops "$$tmp/ops.json" --model "$$tmp/model.json" --compile-time "$$tmp/compile.json" \
-	  --exact "$$tmp/exact.json" --sync "$$tmp/sync.json" --quant "$$tmp/quant.json" --out docs/benchmarks.md
+	  --exact "$$tmp/exact.json" --sync "$$tmp/sync.json" --quant "$$tmp/quant.json" --osol "$$tmp/osol.json" \
+	  --out docs/benchmarks.md
 
 # ruff is pinned in the [dev] extra: another ruff version may format the same code differently.
 lint: $(STAMP)

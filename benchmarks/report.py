@@ -14,7 +14,8 @@ ops are mostly call overhead); compiled, the aligned model no slower than compil
 and peak memory at most 1.00x stock; the exact trainer (vLLM's kernels, benchmarks/exact_step.py, ``--exact``) at
 most 1.2x. ``--compile-time`` (benchmarks/compile_time.py) fills the first-use compile time, cold and warm; ``--sync``
 (benchmarks/sync_export.py) Fair Cast's export against the RNE cast of the same state dict, at most 1.5x; ``--quant``
-(benchmarks/quant_cost.py) a quantized engine's trainers and exports, without targets. The targets
+(benchmarks/quant_cost.py) a quantized engine's trainers and exports, without targets; ``--osol``
+(benchmarks/osol_cost.py) OSOL's training step against GRPO's on the same batch, at most 1.15x. The targets
 are the default ``apply``'s: the opt-out variant (``aligned+eager_ops``, ``compile_ops=False``) is shown beside it
 without one.
 """
@@ -35,6 +36,7 @@ EXACT_TARGET = {"rounding": 1.05, "exact": 1.20}
 # once-per-weight-change preparation of vLLM's GEMM weights, spread over the pass's many micro-batches.
 UNTARGETED_PASSES = {"first recompute": "once per weight change, no target"}
 SYNC_TARGET = 1.5  # stochastic and error-feedback export, x the RNE cast of the same state dict (issue 18)
+OSOL_TARGET = 1.15  # OSOL's training step (the trainer's part), x GRPO's on the same batch
 REQUIRED = ("name", "variant", "mode", "pass", "shape", "time_ms", "time_ratio", "saved_ratio", "peak_ratio")
 
 
@@ -219,6 +221,53 @@ def quant_section(data: dict) -> str:
     return "\n".join(lines)
 
 
+def osol_section(data: dict) -> str:
+    """OSOL's cost (benchmarks/osol_cost.py): the trainer's part of a step and the whole step against GRPO's on the
+    same batch, per trainer, the peak memory, and where OSOL's extra time goes."""
+    shape, rows = data["shape"], data["results"]
+    lines = [machine_line(data.get("machine", {})), "",
+             f"{data['model']}, domains {data['domains']}: one batch of {shape['completions']} completions "
+             f"({shape['prompts_per_step']} prompts x {shape['group_size']}, at most {shape['max_tokens']} tokens; "
+             f"{data['completion_tokens']} completion tokens), sampled once by the reference engine and replayed to "
+             f"every step; {data['rounds']} rounds, the first a warm-up. Rollout (the reference engine sampling that "
+             f"batch): {data['rollout_ms']:.0f} ms. Step: the trainer's part (recompute, advantages, update, sync, and "
+             "OSOL's two forwards); whole step: rollout + that.", ""]  # fmt: skip
+    head = ["trainer", "variant", "step ms", "step × GRPO", "whole step ms", "whole × GRPO", "trained seqs",
+            "peak MiB", "peak × GRPO", "OSOL's weights MiB"]  # fmt: skip
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    misses = checked = 0
+    for r in rows:
+        grpo = r["variant"] == "grpo"
+        time_cell, miss = _ratio(r["time_ratio"], data.get("target", OSOL_TARGET), grpo, r.get("time_band"))
+        whole_cell, _ = _ratio(r["whole_ratio"], 0.0, grpo, r.get("whole_band"), "no target")
+        misses, checked = misses + miss, checked + (not grpo)
+        peak_cell = "1.000 (ref)" if grpo else f"{r['peak_ratio']:.3f}"
+        lines.append("| " + " | ".join([
+            f"{r['trainer']} (`{r['profile']}`)", r["variant"], f"{r['time_ms']:.4g}", time_cell,
+            f"{r['whole_ms']:.4g}", whole_cell, f"{r['trained_sequence_frac']:.2f}", _mib(r["peak_bytes"]), peak_cell,
+            f"{r['osol_held_bytes'] / 2**20:.2f}"]) + " |")  # fmt: skip
+    lines.append("")
+    for r in rows:
+        extra = r.get("extra_ms")
+        if extra is None:
+            continue
+        lines.append(f"- {r['trainer']}: OSOL's extra {extra['total']:.0f} ms: the footprint's forwards "
+                     f"({r['focus_rows']} rows, the previous weights) {extra['footprint_forwards']:.0f} ms, the "
+                     f"backtracking's ({r['focus_rows']} rows, the new weights) "
+                     f"{extra['backtracking_forwards']:.0f} ms, the weight copies to the previous weights and back "
+                     f"{extra['weight_copies']:.1f} ms, the rest (the advantage correction, the update's first "
+                     f"forward, noise) {extra['rest']:.0f} ms. Inside these, the first forward after each weight "
+                     f"change beyond the others' median, OSOL's less GRPO's (vLLM's GEMM preparation in the exact "
+                     f"trainer; none in stock HF): {extra['preparation']:+.0f} ms.")  # fmt: skip
+    lines.append(f"- Peak: the trainer's tensors kept between steps (fp32 master, gradients, optimizer state, compute "
+                 f"copy, OSOL's weights) plus the step's own peak. OSOL keeps "
+                 f"{rows[-1]['osol_held_bytes'] / data['weights_16bit_bytes']:.0f} 16-bit copies of the weights "
+                 f"({data['weights_16bit_bytes'] / 2**20:.2f} MiB each).")  # fmt: skip
+    lines += ["", f"Target: OSOL's step at most {data.get('target', OSOL_TARGET):.2f}x GRPO's. "
+              f"Targets missed: {misses} of {checked} ratios checked."]  # fmt: skip
+    return "\n".join(lines)
+
+
 def fill(page: str, suite: str, block: str) -> str:
     """Replace what lies between the suite's markers in ``page`` with ``block``."""
     start, end = f"<!-- bench:{suite} -->", f"<!-- /bench:{suite} -->"
@@ -238,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-time", metavar="JSON", help="benchmarks/compile_time.py --json output")
     ap.add_argument("--sync", metavar="JSON", help="benchmarks/sync_export.py --json output")
     ap.add_argument("--quant", metavar="JSON", help="benchmarks/quant_cost.py --json output")
+    ap.add_argument("--osol", metavar="JSON", help="benchmarks/osol_cost.py --json output")
     ap.add_argument("--out", default="docs/benchmarks.md", help="the page with the markers (default %(default)s)")
     args = ap.parse_args(argv)
-    if not (args.ops or args.model or args.exact or args.compile_time or args.sync or args.quant):
-        ap.error("give at least one of --ops, --model, --exact, --compile-time, --sync, --quant")
+    if not (args.ops or args.model or args.exact or args.compile_time or args.sync or args.quant or args.osol):
+        ap.error("give at least one of --ops, --model, --exact, --compile-time, --sync, --quant, --osol")
     out = Path(args.out)
     if not out.is_file():
         ap.error(f"--out {out} does not exist; it must be the page holding the bench markers")
@@ -256,11 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         (raw_dir / f"{suite}.json").write_text(json.dumps(data, indent=1) + "\n")
     for suite, path, render in (("exact", args.exact, exact_section), ("compile_time", args.compile_time,
                                 compile_section), ("sync", args.sync, sync_section),
-                                ("quant", args.quant, quant_section)):  # fmt: skip
+                                ("quant", args.quant, quant_section), ("osol", args.osol, osol_section)):  # fmt: skip
         if not path:
             continue
         data = json.loads(Path(path).read_text())
-        empty = suite in ("exact", "sync") and not data.get("results") or suite == "quant" and not data.get("train")
+        listed = "train" if suite == "quant" else "results"
+        empty = suite in ("exact", "sync", "osol", "quant") and not data.get(listed)
         if data.get("suite") != suite or empty:
             raise ValueError(f"{path}: expected a {suite!r} suite JSON with results")
         page = fill(page, suite, render(data))
