@@ -9,6 +9,8 @@ calls them, what they compute with, and compares with what was exported:
   one product per output): a layer that kept an old weight, a stale packed copy or another layer's scales differs.
   For a quantized layer the identity reads its codes exactly: a code one step off changes its output by at least
   ``1/127`` of it (int8; more for int4 and E4M3), more than a bf16 rounding can hide;
+- the lm_head's GEMM applied to the identity through its own prepared weight (vLLM's CPU build packs it at load;
+  a tied lm_head's packed copy is not the embedding's tensor);
 - every other weight (embeddings, norms, the lm_head) compared as the tensor the engine holds.
 
 Both sides run vLLM's kernels on this CPU, so the comparison is exact on any ISA. It costs one GEMM of an
@@ -66,6 +68,18 @@ def served_mismatches(llm, served: dict[str, torch.Tensor], scheme: Scheme) -> t
             bad.append(name)
         checked += 1
         seen.update(f"{p}.{kind}" for p in parts for kind in ("weight", "bias"))
+    lm_head = getattr(model, "lm_head", None)
+    head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in rest), None)
+    if lm_head is not None and hasattr(lm_head, "cpu_linear") and head is not None:
+        # The logits' GEMM, through the lm_head's own prepared weight (a tied lm_head shares the embedding's
+        # tensor, but its prepared copy is its own): the identity reads back what it multiplies by.
+        weight = rest[head].to(torch.bfloat16)
+        eye = torch.eye(weight.shape[1], dtype=torch.bfloat16)
+        got = lm_head.quant_method.apply(lm_head, eye)
+        rows = min(got.shape[1], weight.shape[0])  # vocab padded to a multiple of 64
+        if not torch.equal(got[:, :rows], weight[:rows].T):
+            bad.append("lm_head (its prepared GEMM)")
+        checked += 1
     params = dict(model.named_parameters())
     for name, tensor in rest.items():
         if name in seen or not name.endswith("weight") or name not in params:

@@ -113,8 +113,11 @@ class VllmEngine:
             )
             for p, s in zip(ids, seeds, strict=True)
         ]
-        with failure.guard("generate", RESUME):
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], requests, use_tqdm=False)
+        outs = []
+        for lo, hi in self._whole_prefill_batches(ids, seeded=params.seed is not None):
+            with failure.guard("generate", RESUME):
+                prompts_ = [TokensPrompt(prompt_token_ids=p) for p in ids[lo:hi]]
+                outs += self.llm.generate(prompts_, requests[lo:hi], use_tqdm=False)
         rollouts = []
         for p, out in zip(ids, outs, strict=True):
             c = out.outputs[0]
@@ -124,6 +127,29 @@ class VllmEngine:
             text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
             rollouts.append(Rollout(p, toks, lps, finish, text))
         return rollouts
+
+    def _whole_prefill_batches(self, ids: list[list[int]], seeded: bool) -> list[tuple[int, int]]:
+        """Consecutive [lo, hi) slices of the prompts whose prefills vLLM schedules whole, in one step.
+
+        vLLM 0.32 on the CPU cannot sample a seeded request whose prefill it splits over steps (chunked prefill: a
+        batch's prompt tokens past ``max_num_batched_tokens``, or requests past ``max_num_seqs`` that start later):
+        its runner rewinds the request's generator, which a CPU generator refuses ("CPU Generator does not use
+        offset"). Each slice fits both limits, so no prefill is split; the log-probs of a row do not depend on the
+        batch it decodes in (the exact trainer computes each row alone)."""
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, most = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+        slices, lo, tokens = [], 0, 0
+        for i, p in enumerate(ids):
+            if seeded and len(p) > budget:
+                raise UserError(
+                    f"prompt {i} has {len(p)} tokens, more than vLLM's max_num_batched_tokens ({budget}): vLLM's CPU "
+                    "build cannot sample a seeded request whose prefill it splits; shorten the prompt"
+                )
+            if i > lo and (tokens + len(p) > budget or i - lo >= most):
+                slices.append((lo, i))
+                lo, tokens = i, 0
+            tokens += len(p)
+        return slices + ([(lo, len(ids))] if ids else [])
 
     def score(self, prompt_ids, completion_ids, mode: str = "prefill", temperature: float = 1.0) -> list:
         """vLLM's prefill log-probs of each completion (``prompt_logprobs`` of prompt + completion)."""
@@ -154,9 +180,12 @@ class VllmEngine:
             with failure.guard("load_weights", RESUME):
                 reload(self.llm, served, self.scheme)
             return
+        from roundalign.engines.vllm.reload import refresh_lm_head
+
         weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
         with failure.guard("load_weights", RESUME):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            refresh_lm_head(self.llm)  # a tied lm_head's GEMM is not re-prepared by the reload
             self.llm.reset_prefix_cache()
 
     def audit(self, served: dict) -> int:

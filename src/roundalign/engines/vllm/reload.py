@@ -49,6 +49,22 @@ def runner_model(llm):
     return model
 
 
+def refresh_lm_head(llm) -> None:
+    """Prepare the lm_head's CPU GEMM again from the weight it now holds.
+
+    vLLM's CPU build prepares the lm_head's GEMM once, at load (``dispatch_cpu_unquantized_gemm``: a oneDNN handle
+    or a packed copy of the weight). A tied lm_head (``tie_word_embeddings``) has no checkpoint tensor of its own:
+    the in-place reload updates the embedding it shares, but runs no post-load processing for the lm_head, which
+    kept computing the logits with the first load's weights (measured: the exact trainer lost bit equality from the
+    first weight sync on, on a tied Llama). Re-preparing it after every reload costs one packing of one matrix."""
+    lm_head = getattr(runner_model(llm), "lm_head", None)
+    if lm_head is None or not hasattr(lm_head, "cpu_linear"):
+        return  # not a CPU build's lm_head (or a model without one): nothing was prepared
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
 def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     """Serve ``state_dict`` (HF-named, the trainer's weights) quantized in ``scheme`` from the next request on; or,
     given the checkpoint's tensors themselves (``roundalign.sync.Exporter(..., scheme=)``: codes an export chose
@@ -58,6 +74,7 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
         # bf16 weights: tests/test_quant_vllm.py checks that it serves what a fresh engine serves.
         served = checkpoint.served_state_dict(state_dict, scheme)  # the bf16 copy
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
+        refresh_lm_head(llm)
         llm.reset_prefix_cache()
         return
     if checkpoint.is_checkpoint(state_dict):
@@ -86,7 +103,8 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     if covered != set(linears):  # a served weight no engine layer took: the engine would serve a stale one
         left = sorted(set(linears) - covered)
         raise UserError(f"reload: no quantized layer of the engine serves {', '.join(left[:3])}; is it this model?")
+    refresh_lm_head(llm)
     llm.reset_prefix_cache()
 
 
-__all__ = ["reload", "runner_model"]
+__all__ = ["refresh_lm_head", "reload", "runner_model"]
