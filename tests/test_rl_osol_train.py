@@ -185,3 +185,18 @@ def test_bad_settings_are_refused_before_any_work(settings, message):
     with pytest.raises(UserError) as err:
         TrainConfig(**settings).validate()
     assert message in str(err.value)
+
+
+def test_backtracking_is_measured_every_n_steps_only():
+    config = TrainConfig(**SMALL, osol_backtracking_every=2).validate()
+    osol = OsolStep(config, n_domains=2)
+    osol._focus_rows = [0]  # a step with a footprint
+    calls = []
+    policy = types.SimpleNamespace(logprobs=lambda *a: calls.append(a))
+    assert osol.backtracking(3, policy, None) == {"osol/backtracking": None, "osol/backtrack_token_frac": None}
+    assert calls == []  # no forward on a step it skips
+    off = OsolStep(TrainConfig(**SMALL, osol_backtracking_every=0).validate(), n_domains=2)
+    off._focus_rows = [0]
+    assert off.backtracking(2, policy, None)["osol/backtracking"] is None and calls == []
+    with pytest.raises(UserError, match="--osol-backtracking-every must be an int >= 0"):
+        TrainConfig(**SMALL, osol_backtracking_every=-1).validate()

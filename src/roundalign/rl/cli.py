@@ -148,6 +148,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[Option, ...]], ...] = (
             Option("osol_p_hi", {"type": float}),
             Option("osol_residual", {"choices": RESIDUALS}),
             Option("osol_schedule", {"choices": SCHEDULES}),
+            Option("osol_backtracking_every", {"type": int, "metavar": "N"}),
         ),
     ),
     (

@@ -97,6 +97,13 @@ class TrainConfig:
             "order: an ablation) or none (the domain weights alone: an ablation)"
         },
     )
+    osol_backtracking_every: int = field(
+        default=1,
+        metadata={
+            "help": "osol: measure the realized backtracking (osol/backtracking) every N steps (default {default}; 0: "
+            "never). It costs a forward of the focus domain's completions after the sync, a third of OSOL's cost"
+        },
+    )
     osol_schedule: str = field(
         default="random",
         metadata={
@@ -426,6 +433,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise UserError(f"{flag(name)} must be a finite number >= 0, got {v!r}")
+        b = self.osol_backtracking_every
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise UserError(f"--osol-backtracking-every must be an int >= 0 (0 = never), got {b!r}")
         if self.osol_clip <= 0:
             raise UserError(f"--osol-clip must be > 0, got {self.osol_clip!r}")
         if not (0 <= self.osol_p_lo <= self.osol_p_hi <= 1):

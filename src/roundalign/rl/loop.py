@@ -124,7 +124,8 @@ class Run:
         source = served if self.config.resolved_loss_on_served else None
         self.policy.set_compute_weights(source)
         if self.osol is not None:  # the new weights become pi_k; the ones before, the footprint's pi_{k-1}
-            self.osol.remember(self.policy, source)
+            rne = self.config.sync == "rne" and not self.config.served_scheme.quantized  # served == the RNE cast
+            self.osol.remember(self.policy, source, served if rne else None)
         self.served = served
 
     def evaluate(self) -> dict:
@@ -192,7 +193,7 @@ class Run:
         m |= self.sync(step)
         t4 = t5 = time.perf_counter()
         if self.osol is not None:  # how much of the last update this one undid, on the focus tokens
-            m |= self.osol.backtracking(self.policy, outs)
+            m |= self.osol.backtracking(step, self.policy, outs)
             t5 = time.perf_counter()
             m["timing_s/osol"] = t5 - t4 + (t_update - t2)  # its two forwards: the phases sum to timing_s/step
         m |= {

@@ -39,10 +39,13 @@ class OsolStep:
 
     # weights ----------------------------------------------------------------------------------------------------
 
-    def remember(self, policy, source: dict | None) -> None:
-        """After a sync set the compute copy from ``source`` (None: the RNE cast of the master)."""
+    def remember(self, policy, source: dict | None, served: dict | None = None) -> None:
+        """After a sync set the compute copy from ``source`` (None: the RNE cast of the master). ``served``: the
+        export, when it is that RNE cast itself (``--sync rne``, a bf16 engine), kept instead of a second copy."""
         self.previous = self.current
-        self.current = source if source is not None else {n: p.detach().clone() for n, p in policy._compute.items()}
+        if source is None:
+            source = served if served is not None else {n: p.detach().clone() for n, p in policy._compute.items()}
+        self.current = source
 
     def _logprobs_on(self, policy, weights: dict, outs, rows: list[int]) -> list[torch.Tensor]:
         policy.set_compute_weights(weights)
@@ -93,9 +96,10 @@ class OsolStep:
         self._old = [old_pad[i, : len(outs[i].token_ids)] for i in self._focus_rows]
         return result.advantages, m
 
-    def backtracking(self, policy, outs) -> dict:
+    def backtracking(self, step: int, policy, outs) -> dict:
         """After the sync: how much of the last update (this step's footprint) the one just made undoes."""
-        if not self._focus_rows:
+        every = self.config.osol_backtracking_every
+        if not self._focus_rows or not every or step % every:
             return {"osol/backtracking": None, "osol/backtrack_token_frac": None}
         rows = self._focus_rows
         with torch.no_grad():
