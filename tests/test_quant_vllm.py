@@ -165,7 +165,7 @@ def test_a_running_engine_reloads_quantized_weights_exactly(engine_python, schem
     assert result["reloaded"] == result["fresh"]
     assert result["back"] == result["first"]
     assert result["reloaded"] != result["first"]
-    assert result["audit"] == [[], 35] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
+    assert result["audit"] == [[], 36] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
 
 
 @pytest.mark.parametrize(("scheme", "sync"), [("w4a16-g32-zp", "stochastic"), ("w8a8-int8", "error-feedback")])
@@ -178,7 +178,7 @@ def test_a_running_engine_serves_the_codes_an_export_chose(engine_python, scheme
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "reload.json").read_text())
     assert result["codes_differ"]
-    assert result["audit"] == [[], 35] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
+    assert result["audit"] == [[], 36] and result["audit_off"] == ["model.layers.1.self_attn.qkv_proj"]
     assert result["reloaded"] == result["fresh"]
     assert result["back"] == result["first"]
     assert result["reloaded"] != result["first"]
@@ -223,7 +223,8 @@ def test_train_on_a_quantized_vllm_is_exactly_on_policy_every_step(engine_python
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
-        assert m["sync/served_checked"] == 35  # 4 layers x (4 fused linears, 4 norms), embeddings, final norm, lm_head
+        # 4 layers x (4 fused linears, 4 norms), embeddings, final norm, lm_head (as a tensor and through its GEMM)
+        assert m["sync/served_checked"] == 36
         assert m["rollout_corr/k3_kl"] == 0.0 and m["mismatch/bitwise_equal_frac"] == 1.0
         assert m["rollout_corr/raw_is_min"] == m["rollout_corr/raw_is_max"] == 1.0
     # an update that reached the engine before a later step's sampling (SR and EF move codes at every export)

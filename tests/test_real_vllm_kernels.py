@@ -198,7 +198,8 @@ def test_train_with_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
-        assert m["sync/served_checked"] == 35  # every weight vLLM serves, read back after the sync: as exported
+        # every weight vLLM serves (and the lm_head's prepared GEMM), read back after the sync: as exported
+        assert m["sync/served_checked"] == 36
         assert m["rollout_corr/k3_kl"] == 0.0 and m["mismatch/bitwise_equal_frac"] == 1.0
         assert m["mismatch/log_ratio_max_abs"] == 0.0
         assert m["rollout_corr/raw_is_min"] == m["rollout_corr/raw_is_max"] == 1.0
@@ -207,6 +208,31 @@ def test_train_with_vllm_is_exactly_on_policy_every_step(engine_python, tmp_path
     assert any(a["actor/trained_sequence_frac"] > 0 and a["sync/visible_fraction"] > 0.5 for a in steps[:-1]), (
         "no step changed the served weights; raise the learning rate"
     )
+
+
+def test_osol_with_the_exact_trainer_has_no_footprint_within_the_mismatch(engine_python, tmp_path):
+    """OSOL on the real vLLM (``--domains``, ``--adv-estimator osol``, the exact trainer): the trainer's log-probs are
+    the sampler's on every token, so no footprint is within the mismatch and no penalty changes when the current
+    side of the footprint is the sampler's: ``osol/footprint_below_mismatch`` and ``osol/rank_change_frac`` are 0 on
+    every step that ranked candidates (docs/multi-domain.md, "Footprint versus mismatch")."""
+    out = tmp_path / "run"
+    argv = [engine_python, "-m", "roundalign", "train", "--engine", "vllm", "--enforce-eager", "--out", str(out)]
+    argv += ["--model", "tiny-llama-chars", "--domains", "arithmetic,counting", "--adv-estimator", "osol"]
+    argv += ["--steps", "3", "--prompts-per-step", "16", "--group-size", "6", "--max-tokens", "8", "--lr", "1e-3"]
+    argv += ["--eval-every", "0", "--eval-problems", "4", "--audit-served"]
+    # tiny-llama-chars ties its lm_head to the embeddings: vLLM's reload does not re-prepare a tied lm_head's GEMM
+    # (engines.vllm.reload.refresh_lm_head does; --audit-served reads it back). 96 prompts of ~70 tokens are more
+    # than vLLM's max_num_batched_tokens: the engine samples them in slices whose prefills are never split.
+    proc = subprocess.run([*argv, "--quiet", "--no-tensorboard"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    for m in steps:
+        assert m["mismatch/bitwise_equal_frac"] == 1.0 and m["rollout_corr/k3_kl"] == 0.0
+    ranked = [m for m in steps[1:] if m["osol/candidates"]]
+    assert ranked, "no step ranked a candidate; raise the learning rate"
+    for m in ranked:
+        assert m["osol/footprint_below_mismatch"] == 0.0 and m["osol/rank_change_frac"] == 0.0
+        assert m["osol/kappa"] is not None
 
 
 def test_exact_step_benchmark_runs_and_reports_every_variant(engine_python, tmp_path):
