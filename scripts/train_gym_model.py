@@ -16,7 +16,8 @@ What it does:
 1. Builds a character-level tokenizer: `<|endoftext|>` (id 0: end of text and pad), `<|unk|>` (id 1), "\\n" and the
    95 printable ASCII characters. Decoding concatenates characters, so any printable-ASCII text with newlines
    round-trips exactly.
-2. Trains a Llama in fp32 on fresh items every step (the same number from each domain, drawn from seeded streams),
+2. Trains a Llama in fp32 on fresh items every step, from every domain in the proportions of --mix (arithmetic the
+   most: with equal shares it stayed near 0 while spell_backward went to 1), drawn from seeded streams,
    prompt + " answer" + end-of-text, loss on the completion tokens only (the answer and its end-of-text): the
    prompt's random words and numbers cannot be predicted and would only dilute the signal. The held-out items
    (`make_items(domain, 64, seed=EVAL_SEED)`) are left out of training by prompt. AdamW, warm-up, cosine decay.
@@ -322,7 +323,7 @@ def evaluate(out: Path, evaluation: dict[str, list[gym.Item]], seed: int) -> dic
     norms = [m.weight.float().flatten() for n, m in model.named_modules() if n.endswith("norm")]
     weights = torch.cat(norms)
     figures["norm_weight_min_max_std"] = [weights.min().item(), weights.max().item(), weights.std().item()]
-    figures["size_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    figures["size_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md")
     return figures
 
 
@@ -350,25 +351,33 @@ def model_card(figures: dict, args: argparse.Namespace) -> str:
         f"| {d['sampled_correct']:.3f} | {d['sampled_entropy']:.3f} |"
         for name, d in figures["domains"].items()
     )
-    datasets = "; ".join(f"{d.name}: {' + '.join(n for n, _ in d.datasets)}" for d in args.domains)
+    datasets = "".join(f"\n  - {d.name}: {', '.join(n for n, _ in d.datasets)}" for d in args.domains)
+    new_tokens, samples = MAX_NEW_TOKENS, SAMPLES_PER_PROMPT
+    params, mb = f"{figures['params'] / 1e6:.2f}M", f"{figures['size_bytes'] / 1e6:.2f} MB"
+    train_min, run_min, cpu_min = (f"{figures[k] / 60:.1f}" for k in ("train_wall_s", "run_wall_s", "cpu_s"))
     low, high, std = figures["norm_weight_min_max_std"]
     versions = (
         f"torch {torch.__version__}, transformers {transformers.__version__}, reasoning-gym {version('reasoning_gym')}"
     )
     return f"""# {NAME}
 
-A {figures["params"] / 1e6:.2f}M-parameter Llama (bf16) with a character-level tokenizer, trained from scratch on the
-four built-in domains of `roundalign.tasks.gym` (reasoning-gym's generators and verifiers). It is the policy for
-multi-domain RL runs: its reward is neither 0 nor 1 in any domain, so groups of samples have mixed rewards. It is of
-no use as a language model outside these tasks.
+A {params}-parameter Llama (bf16) with a character-level tokenizer, trained from scratch on the four built-in
+domains of `roundalign.tasks.gym` (reasoning-gym's generators and verifiers). It is the policy for multi-domain RL
+runs: its reward is neither 0 nor 1 in any domain, so groups of samples have mixed rewards. It is of no use as a
+language model outside these tasks.
 
-- Architecture: `LlamaForCausalLM`, hidden 192, 4 layers, 6 query heads and 2 KV heads of head_dim 32, MLP 512
-  (SiLU), RoPE theta 10000, RMSNorm eps 1e-5, max 256 positions, lm_head tied to the embeddings.
-  {figures["params"]:,} parameters, stored in bf16; the directory is {figures["size_bytes"] / 1e6:.2f} MB.
-- Tokenizer: character level, {figures["vocab_size"]} tokens: `<|endoftext|>` (id 0, end of text and pad), `<|unk|>`
-  (id 1), newline and the 95 printable ASCII characters. Decoding concatenates, so printable ASCII with
-  newlines round-trips exactly. No BOS.
-- `generation_config.json`: eos = pad = 0, greedy, {MAX_NEW_TOKENS} new tokens.
+| | |
+|---|---|
+| architecture | `LlamaForCausalLM`: 4 layers, hidden 192, MLP 512 (SiLU), RMSNorm eps 1e-5 |
+| attention | 6 query heads and 2 KV heads of head_dim 32, RoPE theta 10000, max 256 positions |
+| lm_head | tied to the embeddings |
+| parameters | {figures["params"]:,} ({params}), stored in bf16 |
+| tokenizer | character level, {figures["vocab_size"]} tokens (below) |
+| generation | `generation_config.json`: eos = pad = 0, greedy, {MAX_NEW_TOKENS} new tokens |
+| files (weights, configs, tokenizer) | {mb} |
+
+- Tokenizer: `<|endoftext|>` (id 0, end of text and pad), `<|unk|>` (id 1), newline and the 95 printable ASCII
+  characters, one token each. Decoding concatenates, so printable ASCII with newlines round-trips exactly. No BOS.
 - How to regenerate it, and what the figures mean: docs/tiny-model.md in the roundalign repository.
 
 ## Training
@@ -377,29 +386,31 @@ no use as a language model outside these tasks.
 `--seed {args.seed} --steps {args.steps} --batch-size {args.batch_size} --lr {args.lr} --mix {args.mix}`.
 One thread, deterministic: the same seed and steps on the same machine and software give byte-identical weights.
 
-- Data: every step, fresh items from seeded streams: {_counts_text(args)}. The domains' datasets: {datasets}.
-  The prompt is the question and `\\nAnswer:`; the completion is ` <answer>` and end-of-text.
+- Data: every step, fresh items from seeded streams: {_counts_text(args)}.
+  Arithmetic gets the most: with equal shares it stayed near 0 while spell_backward went to 1.
+  The domains and their datasets:{datasets}
+- The prompt is the question and `\\nAnswer:`; the completion is ` <answer>` and end-of-text.
 - Loss: next-token cross-entropy on the completion tokens only (the answer and its end-of-text), in fp32.
 - AdamW (betas 0.9/0.98, weight decay 0.1 except on norms), lr {args.lr}, 100 warm-up steps, cosine decay to a
   tenth, gradient clipping at 1. Saved in bf16; the figures below were measured on the saved weights.
-- Held out: `make_items(domain, {EVAL_ITEMS}, seed={EVAL_SEED})` for each domain; no training item has one of
-  their prompts.
-- Wall time of training / whole run (with saving and evaluation): {figures["train_wall_s"] / 60:.1f} /
-  {figures["run_wall_s"] / 60:.1f} min; CPU time (user + sys) {figures["cpu_s"] / 60:.1f} min; {THREADS} thread.
-  Machine: {figures["cpu"]}, shared with other work.
+- Held out: `make_items(domain, {EVAL_ITEMS}, seed={EVAL_SEED})` for each domain; no training item has one of their
+  prompts.
+- Wall time of training / whole run (with saving and evaluation): {train_min} / {run_min} min; CPU time (user +
+  sys) {cpu_min} min; {THREADS} thread. Machine: {figures["cpu"]}, shared with other work.
 - Software: {versions}.
 
 ## Measured figures (held-out items, {EVAL_ITEMS} a domain)
 
-Reward is reasoning-gym's score (1.0 correct; spell_backward and coin_flip give partial credit for a matching
-prefix). Greedy: one completion an item, up to {MAX_NEW_TOKENS} new tokens. Sampled: {SAMPLES_PER_PROMPT} completions an
-item at temperature 1 (no top-k, no top-p). "Correct" is the share that scores 1.0. Entropy: mean entropy (nats)
-of the next-token distribution at the sampled tokens, end-of-text included.
+Reward is reasoning-gym's score (1.0 correct; spell_backward gives partial credit for the letters in place, and
+coin_flip for a matching prefix, divided by the shorter length: any prefix of the right decimal, even `0`, scores
+1.0, see docs/tiny-model.md). Greedy: one completion an item, up to {new_tokens} new tokens. Sampled: {samples}
+completions an item at temperature 1 (no top-k, no top-p). "Correct" is the share that scores 1.0. Entropy: mean
+entropy (nats) of the next-token distribution at the sampled tokens, end-of-text included.
 
 | domain | greedy reward | greedy correct | sampled reward | sampled correct | entropy (nats) |
 |---|---|---|---|---|---|
 {rows}
-
+{_partial_only(figures)}
 | figure | value |
 |---|---|
 | steps done | {figures["steps_done"]} |
@@ -408,6 +419,17 @@ of the next-token distribution at the sampled tokens, end-of-text included.
 | log(vocab), the entropy of a uniform distribution | {figures["log_vocab"]:.3f} nats |
 | RMSNorm weights: min / max / std (all start at 1) | {low:.3f} / {high:.3f} / {std:.3f} |
 """
+
+
+def _partial_only(figures: dict) -> str:
+    """A note on the domains where no held-out item is answered fully correctly, greedy or sampled."""
+    names = [n for n, d in figures["domains"].items() if d["greedy_correct"] == 0 and d["sampled_correct"] == 0]
+    if not names:
+        return ""
+    return (
+        f"\nIn {', '.join(names)}, no held-out item is answered fully correctly, greedy or sampled: the reward\n"
+        "there is partial credit only.\n"
+    )
 
 
 def _counts_text(args) -> str:
