@@ -228,6 +228,20 @@ def test_items_interleave_the_datasets_and_are_reasoning_gyms_own_entries(spec):
             assert it.answer == str(it.entry["answer"]) and it.solution == " " + it.answer
 
 
+def _longer_text_ratio(answer: str | None, oracle: str) -> float:
+    """1 for a right coin_flip answer; else min / max of the two numbers' texts (written out here from reasoning-gym's
+    scorer: ``f"{float(Fraction(x)):.10g}"``)."""
+    from fractions import Fraction
+
+    try:
+        a, o = float(Fraction(answer)), float(Fraction(oracle))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return 1.0  # the scorer gave 0 already
+    if abs(a - o) <= 1e-4:
+        return 1.0
+    return min(len(f"{a:.10g}"), len(f"{o:.10g}")) / max(len(f"{a:.10g}"), len(f"{o:.10g}"))
+
+
 @pytest.mark.parametrize("name", list(BUILTIN_DOMAINS))
 def test_every_built_in_domain_scores_its_reference_1_and_no_answer_0_as_reasoning_gym_does(name):
     rg = _rg()
@@ -253,6 +267,9 @@ def test_every_built_in_domain_scores_its_reference_1_and_no_answer_0_as_reasoni
         assert got[:3] == [1.0, 1.0, 1.0], (it.prompt, it.answer)
         assert got[3:5] == [0.0, 0.0], it.prompt
         expected = [float(ref.score_answer(answer=extract_answer(c), entry=it.entry)) for c in completions]
+        if it.dataset == "coin_flip":  # the one correction: a wrong answer's prefix credit over the longer text
+            ratios = [_longer_text_ratio(extract_answer(c), it.answer) for c in completions]
+            expected = [e * r for e, r in zip(expected, ratios, strict=True)]
         assert got == expected, (it.prompt, it.answer)
         assert ref.score_answer(answer=it.answer, entry=it.entry) == 1.0
         assert ref.score_answer(answer=None, entry=it.entry) == 0.0
@@ -268,3 +285,16 @@ def test_a_written_out_domain_is_scored_by_reasoning_gym_too():
         assert gym.score(" ", it) == 0.0
         wrong = " zzz" + EOS_TEXT
         assert gym.score(wrong, it) == float(ref.score_answer(answer="zzz", entry=it.entry))
+
+
+def test_a_prefix_of_a_coin_flip_answer_is_not_full_credit():
+    """reasoning-gym 0.1.25 scores a wrong coin_flip answer by its matching prefix over the shorter text, so " 0"
+    would score 1.0 against 0.9375; gym.score divides by the longer text (6 characters here): 1/6."""
+    pytest.importorskip("reasoning_gym")
+    domain = gym.parse_domains("probability")[0]
+    item = next(it for it in gym.make_items(domain, 64, seed=1_000_003) if it.answer == "0.9375")
+    assert gym.score(" 0", item) == 1 / 6
+    assert gym.score(" 0.93", item) == 4 / 6
+    assert gym.score(" 0.9375<|endoftext|>", item) == gym.score(" 15/16", item) == 1.0
+    assert gym.score(" 0.5", item) == 2 / 6  # "0." matches
+    assert gym.score(" heads", item) == 0.0

@@ -218,11 +218,32 @@ def extract_answer(completion_text: str) -> str | None:
 
 
 def score(completion_text: str, item: Item) -> float:
-    """reasoning-gym's score of the completion's answer for ``item``, in [0, 1]; 0.0 when it gives no answer."""
+    """reasoning-gym's score of the completion's answer for ``item``, in [0, 1]; 0.0 when it gives no answer.
+
+    One correction: reasoning-gym 0.1.25's coin_flip gives a wrong answer the length of its matching prefix over the
+    *shorter* of the two numbers' texts, so any prefix of the right answer scores 1.0 (" 0" scores 1.0 on 61 of the
+    64 held-out items, whose answers are 0.xxx). An RL loop learns that at once. Here a wrong coin_flip answer's
+    partial credit is over the *longer* text instead (a right one, within reasoning-gym's tolerance, still 1.0)."""
     answer = extract_answer(completion_text)
     if answer is None:
         return 0.0
-    return float(_scorer(item.dataset).score_answer(answer=answer, entry=item.entry))
+    value = float(_scorer(item.dataset).score_answer(answer=answer, entry=item.entry))
+    if item.dataset == "coin_flip" and value > 0:
+        value *= _coin_flip_correction(answer, str(item.entry["answer"]))
+    return value
+
+
+def _coin_flip_correction(answer: str, oracle: str, tol: float = 1e-4) -> float:
+    """1 for a right answer (within coin_flip's tolerance); for a wrong one, min / max of the two numbers' texts as
+    its scorer writes them (``f"{float(Fraction(x)):.10g}"``), which turns its prefix over the shorter text into a
+    prefix over the longer. ``value > 0`` means both parsed (the scorer returns 0 for what does not)."""
+    from fractions import Fraction
+
+    a, o = (float(Fraction(x.replace(",", ""))) for x in (answer, oracle))
+    if abs(a - o) <= tol:
+        return 1.0
+    a_text, o_text = f"{a:.10g}", f"{o:.10g}"
+    return min(len(a_text), len(o_text)) / max(len(a_text), len(o_text))
 
 
 _SCORERS: dict[str, object] = {}
