@@ -64,7 +64,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python ROUNDALIGN_VERL_PYTHON=$(abspath $(VERL_VENV))/bin/python \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
-	  $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	  $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
 # two backends. Writes probe-out/report.json and three plots.
