@@ -38,8 +38,15 @@ import torch
 from roundalign.integrations import trl_metrics
 from roundalign.integrations.seams import TRL_ADVANTAGES, check_source
 from roundalign.integrations.trl_policy import check_not_sharded, unwrap_policy
-from roundalign.rl.osol import RESIDUALS, SCHEDULES, base_advantages, corrected_advantages, focus_domain
-from roundalign.rl.osol_step import _seed as residual_seed
+from roundalign.rl.osol import (
+    RESIDUALS,
+    SCHEDULES,
+    base_advantages,
+    corrected_advantages,
+    focus_domain,
+    residual_seed,
+    step_metrics,
+)
 
 __all__ = ["LOSS_TYPES", "OsolAdvantage"]
 
@@ -232,14 +239,7 @@ class OsolAdvantage:
         output["advantages"] = result.advantages[start : start + n, : mask.shape[1]].to(grpo.device)
 
         in_e = g_mask & g_focus[:, None]
-        metrics = {
-            "osol/focus_domain": focus,
-            "osol/focus_tokens": result.focus_tokens,
-            "osol/candidates": result.candidates if have_footprint else None,
-            "osol/kappa": result.kappa if have_footprint else None,
-            "osol/residual_share": result.residual_share if have_footprint else None,
-            "osol/footprint_mean": float(g_u[in_e].double().mean()) if have_footprint and in_e.any() else None,
-        }
+        metrics = step_metrics(result, focus, g_u[in_e] if have_footprint else None)
         trl_metrics._push(trainer, "train", metrics)
         self.last = {"metrics": metrics, "focus_rows": focus_rows, "u": u, "base": base, "domains": domains}
         self._remember(trainer)

@@ -60,6 +60,13 @@ def focus_domain(n_domains: int, seed: int, step: int, schedule: str = "random")
     return focus
 
 
+def residual_seed(seed: int, step: int) -> int:
+    """The random-residual ablation's permutation seed for (run seed, step), shared by every caller so that
+    ``roundalign train`` and the TRL integration draw the same permutations."""
+    digest = hashlib.sha256(f"roundalign.osol/random-residual/{seed}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def base_advantages(grpo: Tensor, domains: list[int], focus: int, w_focus: float, w_other: float) -> Tensor:
     """GRPO's advantage weighted by domain: ``w_focus`` for the focus domain's samples, ``w_other`` for the rest."""
     if len(domains) != grpo.numel():
@@ -173,6 +180,20 @@ def corrected_advantages(
         focus_tokens=int(in_e.sum()),
         residual_share=moved / denom if denom > 0 else 0.0,
     )
+
+
+def step_metrics(result: OsolResult, focus: int, u_focus: Tensor | None) -> dict:
+    """A step's ``osol/*`` metrics (verl-style names, as ``roundalign train`` and the TRL integration log them);
+    ``u_focus`` is the footprint on the focus tokens, None on a step without one (the first): its figures are null."""
+    have = u_focus is not None
+    return {
+        "osol/focus_domain": focus,
+        "osol/focus_tokens": result.focus_tokens,
+        "osol/candidates": result.candidates if have else None,
+        "osol/kappa": result.kappa if have else None,
+        "osol/residual_share": result.residual_share if have else None,
+        "osol/footprint_mean": float(u_focus.double().mean()) if have and u_focus.numel() else None,
+    }
 
 
 def footprint_vs_mismatch(u: Tensor, d: Tensor, p_lo: float = 0.1, p_hi: float = 1.0) -> dict[str, float]:

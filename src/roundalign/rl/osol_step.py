@@ -21,12 +21,18 @@ are null.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from roundalign.rl.config import TrainConfig
-from roundalign.rl.osol import backtracking, base_advantages, corrected_advantages, focus_domain, footprint_vs_mismatch
+from roundalign.rl.osol import (
+    backtracking,
+    base_advantages,
+    corrected_advantages,
+    focus_domain,
+    footprint_vs_mismatch,
+    residual_seed,
+    step_metrics,
+)
 
 
 class OsolStep:
@@ -70,22 +76,14 @@ class OsolStep:
             previous = self._logprobs_on(policy, self.previous, outs, rows)
             for i, lp in zip(rows, previous, strict=True):
                 u[i, : len(lp)] = old_pad[i, : len(lp)] - lp
-        generator = torch.Generator().manual_seed(_seed(c.seed, step))
+        generator = torch.Generator().manual_seed(residual_seed(c.seed, step))
         result = corrected_advantages(
             base, mask, focus_rows, u, tau=c.osol_tau, clip=c.osol_clip, p_lo=c.osol_p_lo, p_hi=c.osol_p_hi,
             residual=c.osol_residual if have_footprint else "none", generator=generator,
         )  # fmt: skip
         in_e = mask & focus_rows[:, None]
-        m: dict = {
-            "osol/focus_domain": focus,
-            "osol/focus_tokens": result.focus_tokens,
-            "osol/candidates": result.candidates if have_footprint else None,
-            "osol/kappa": result.kappa if have_footprint else None,
-            "osol/residual_share": result.residual_share if have_footprint else None,
-            "osol/footprint_mean": float(u[in_e].double().mean()) if have_footprint and in_e.any() else None,
-            "osol/footprint_below_mismatch": None,
-            "osol/rank_change_frac": None,
-        }
+        m = step_metrics(result, focus, u[in_e] if have_footprint else None)
+        m |= {"osol/footprint_below_mismatch": None, "osol/rank_change_frac": None}
         if have_footprint:
             d = (old_pad - sampler_pad)[in_e]
             share = footprint_vs_mismatch(u[in_e], d, c.osol_p_lo, c.osol_p_hi)
@@ -115,9 +113,3 @@ class OsolStep:
 
     def load_state_dict(self, state: dict | None) -> None:
         self.previous = None if state is None else state["previous"]
-
-
-def _seed(seed: int, step: int) -> int:
-    """The random-residual ablation's permutation seed for (run seed, step)."""
-    digest = hashlib.sha256(f"roundalign.osol/random-residual/{seed}/{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
