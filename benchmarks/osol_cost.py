@@ -65,7 +65,11 @@ from roundalign.rl.config import TrainConfig
 from roundalign.rl.loop import Run, resolved
 
 TARGET = 1.15  # OSOL's train step, x GRPO's on the same batch (the issue's item 7)
-VARIANTS = ("grpo", "osol")  # grpo first: osol's ratios divide by it
+# grpo first: the others' ratios divide by it. "osol-lean": osol with --osol-backtracking-every 0 (the footprint's
+# forward only; the backtracking metric, a diagnostic, off).
+VARIANTS = ("grpo", "osol", "osol-lean")
+SETTINGS = {"grpo": {}, "osol": {"adv_estimator": "osol"},
+            "osol-lean": {"adv_estimator": "osol", "osol_backtracking_every": 0}}  # fmt: skip
 TRAINERS = ("stock", "exact")
 DOMAINS = "arithmetic,algorithmic,counting,probability"
 STEP = 1  # the step whose batch every timed step replays
@@ -159,7 +163,7 @@ class Calls:
 
 def build_run(base: TrainConfig, variant: str, trainer_profile: str, out: Path, batch: Batch) -> tuple[Run, Calls]:
     """A run set up as ``train()`` sets one up (step 0's sync included), its engine's generate replaying ``batch``."""
-    config = resolved(base.replace(adv_estimator=variant, trainer_profile=trainer_profile).validate())
+    config = resolved(base.replace(**SETTINGS[variant], trainer_profile=trainer_profile).validate())
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     run = Run(config, out, console=None, tensorboard=False)
@@ -185,6 +189,7 @@ def held_bytes(run: Run) -> tuple[int, int]:
     add(list(policy.master.values()) + [p.grad for p in policy.master.values()])
     add(v for state in policy.optimizer.state.values() for v in state.values())
     add(policy._compute.values())
+    add(run.served.values())  # the export the run keeps (the engine's copy); under --sync rne OSOL's current weights
     osol = 0
     if run.osol is not None:
         osol = add(list((run.osol.previous or {}).values()) + list((run.osol.current or {}).values()))
@@ -317,7 +322,7 @@ def run_suite(model: str, trainers: dict[str, str], shape: tuple[int, int, int],
                 "calls_ms": {key: statistics.median(c[key] for c in prof if key in c)
                              for key in dict.fromkeys(key for c in prof for key in c) if key != "copy_ms"},
                 "copies_ms": [statistics.median(c["copy_ms"][i] for c in prof) for i in range(len(prof[0]["copy_ms"]))],
-                "focus_rows": _focus_rows(runs[k][0], metrics[k][-1]) if v == "osol" else 0,
+                "focus_rows": _focus_rows(runs[k][0], metrics[k][-1]) if v != "grpo" else 0,
                 "trained_sequence_frac": metrics[k][-1]["actor/trained_sequence_frac"],
                 "reward_mean": metrics[k][-1]["reward/mean"],
                 **memory[k],
@@ -328,7 +333,7 @@ def run_suite(model: str, trainers: dict[str, str], shape: tuple[int, int, int],
             row["whole_band"] = ratio_band(whole, g_whole)
             row["peak_ratio"] = row["peak_bytes"] / memory[g]["peak_bytes"]
             if v == "osol":
-                row["extra_ms"] = breakdown(row, rows[-1])
+                row["extra_ms"] = breakdown(row, next(r for r in rows if r["trainer"] == t and r["variant"] == "grpo"))
             rows.append(row)
     return {
         "model": model, "domains": DOMAINS, "shape": {"prompts_per_step": prompts, "group_size": group,

@@ -42,11 +42,14 @@ def test_quick_run_writes_the_agreed_rows_and_the_report_fills_its_section(tmp_p
         assert r["phases_ms"]["recompute"] > 0 and r["phases_ms"]["sync"] > 0
         if r["variant"] == "grpo":
             assert r["time_ratio"] == 1.0 and r["osol_held_bytes"] == 0 and "extra_ms" not in r
-        else:  # the previous weights and the current ones' copy: two 16-bit copies of the weights
-            assert r["osol_held_bytes"] == 2 * result["weights_16bit_bytes"]
+        else:  # the previous weights: one 16-bit copy (the current ones are the run's kept export, under rne)
+            assert r["osol_held_bytes"] == result["weights_16bit_bytes"]
             assert r["focus_rows"] == 2 and r["phases_ms"]["osol"] > 0
-            assert r["extra_ms"]["footprint_forwards"] > 0 and r["extra_ms"]["backtracking_forwards"] > 0
             assert len(r["copies_ms"]) == 3  # to the previous weights, back, and the sync's
+        if r["variant"] == "osol":
+            assert r["extra_ms"]["footprint_forwards"] > 0 and r["extra_ms"]["backtracking_forwards"] > 0
+        if r["variant"] == "osol-lean":  # --osol-backtracking-every 0: the footprint's forwards only
+            assert "backtracking_ms" not in r["calls_ms"] and "extra_ms" not in r
 
     page = tmp_path / "benchmarks.md"
     page.write_text("intro\n<!-- bench:quant -->\nold quant\n<!-- /bench:quant -->\n<!-- bench:osol -->\nold\n"
@@ -55,8 +58,8 @@ def test_quick_run_writes_the_agreed_rows_and_the_report_fills_its_section(tmp_p
     text = page.read_text()
     assert "old quant" in text and "\nold\n" not in text and text.endswith("end\n")
     table = [line for line in text.splitlines() if line.startswith("| stock (`hf`) |")]
-    assert [line.split(" | ")[1] for line in table] == ["grpo", "osol"]
-    assert f"Targets missed: {osol_cost.verdict(rows)[0]} of {len(trainers)} ratios checked." in text
+    assert [line.split(" | ")[1] for line in table] == ["grpo", "osol", "osol-lean"]
+    assert "Targets missed: {} of {} ratios checked.".format(*osol_cost.verdict(rows)) in text
     assert json.loads((tmp_path / "benchmarks" / "osol.json").read_text()) == result
 
 
