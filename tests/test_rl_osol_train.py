@@ -137,7 +137,7 @@ def test_first_step_has_no_footprint_and_no_residual():
 
 
 def test_osol_run_logs_its_metrics_rotates_the_focus_and_resumes_bitwise(tmp_path):
-    base = dict(save_every=2, **SMALL)
+    base = dict(save_every=2, **SMALL) | {"model": "tiny-llama-chars", "max_tokens": 12}  # the model for these tasks
     straight = train(TrainConfig(steps=4, **base).validate(), tmp_path / "straight", progress=False, tensorboard=False)
     rows = read_metrics(straight / "metrics.jsonl")
     assert set(rows[0]) >= {"eval/accuracy", "eval/arithmetic/reward", "eval/counting/reward"}
@@ -155,6 +155,7 @@ def test_osol_run_logs_its_metrics_rotates_the_focus_and_resumes_bitwise(tmp_pat
         # the ratio is undefined only where the last update left every focus token's log-prob as it was
         unmoved = r["osol/candidates"] == 0 and r["osol/footprint_mean"] == 0
         assert (r["osol/backtracking"] is None) == unmoved
+    assert any(r["osol/candidates"] and r["osol/kappa"] and r["osol/backtracking"] is not None for r in rows[2:])
 
     part = train(TrainConfig(steps=2, **base).validate(), tmp_path / "part", progress=False, tensorboard=False)
     assert main(["train", "--resume", str(part), "--steps", "4", "--quiet", "--no-tensorboard"]) == 0
