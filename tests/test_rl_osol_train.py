@@ -201,3 +201,21 @@ def test_backtracking_is_measured_every_n_steps_only():
     assert off.backtracking(2, policy, None)["osol/backtracking"] is None and calls == []
     with pytest.raises(UserError, match="--osol-backtracking-every must be an int >= 0"):
         TrainConfig(**SMALL, osol_backtracking_every=-1).validate()
+
+
+def test_multi_domain_held_out_items_are_the_models_and_the_same_for_every_seed():
+    """Every run seed is scored on the items tiny-llama-chars was pre-trained without (its script's
+    make_items(domain, 64, seed=1_000_003)), and no training batch holds one of them."""
+    from roundalign.rl.data import MultiDomainTask
+    from roundalign.tasks import gym
+
+    spec = "arithmetic,probability"
+    a, b = MultiDomainTask(spec, seed=0, eval_problems=64), MultiDomainTask(spec, seed=7, eval_problems=64)
+    assert [it.prompt for it in a.eval_set] == [it.prompt for it in b.eval_set]
+    for d in gym.parse_domains(spec):
+        pretrain_held_out = {it.prompt for it in gym.make_items(d, 64, seed=1_000_003)}
+        assert {it.prompt for it in a.eval_sets[d.name]} == pretrain_held_out
+    held = {it.prompt for it in a.eval_set}
+    for step in range(1, 4):
+        batch = b.train_batch(step, 8)
+        assert [b.domain(it) for it in batch] == [0, 1] * 4 and not held & {it.prompt for it in batch}
