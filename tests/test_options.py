@@ -105,4 +105,4 @@ def test_a_missing_extra_or_engine_is_named_with_its_fix(monkeypatch):
     with pytest.raises(MissingDependency, match=r"--engine vllm needs vllm: it is not importable .*make vllm"):
         require_engine("vllm", "--engine vllm", "run it where vLLM is (make vllm builds one)")
     require("matplotlib", "the plots")  # installed: no error
-    assert set(EXTRAS.values()) <= {"cli", "tensorboard", "trl"}
+    assert set(EXTRAS.values()) <= {"cli", "tensorboard", "trl", "gym"}
