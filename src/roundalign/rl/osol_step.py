@@ -41,7 +41,8 @@ class OsolStep:
         self.previous: dict | None = None  # the compute copy's source one sync ago: pi_{k-1}
         self.current: dict | None = None  # the compute copy's source now: pi_k
         self._focus_rows: list[int] = []
-        self._u: list[torch.Tensor] = []
+        self._u: list[torch.Tensor] = []  # this step's footprint on its focus rows
+        self._old: list[torch.Tensor] = []  # their log-probs on pi_k, the trainer's recompute
 
     # weights ----------------------------------------------------------------------------------------------------
 
@@ -53,10 +54,15 @@ class OsolStep:
             source = served if served is not None else {n: p.detach().clone() for n, p in policy._compute.items()}
         self.current = source
 
+    @staticmethod
+    def _logprobs(policy, outs, rows: list[int]) -> list[torch.Tensor]:
+        """The trainer's log-probs (no gradient) of the completions ``rows`` on its compute copy as it is now."""
+        return [policy.logprobs(outs[i].prompt_token_ids, outs[i].token_ids)[0] for i in rows]
+
     def _logprobs_on(self, policy, weights: dict, outs, rows: list[int]) -> list[torch.Tensor]:
         policy.set_compute_weights(weights)
         try:
-            return [policy.logprobs(outs[i].prompt_token_ids, outs[i].token_ids)[0] for i in rows]
+            return self._logprobs(policy, outs, rows)
         finally:
             policy.set_compute_weights(self.current)  # back to pi_k, bit for bit (copies, no arithmetic)
 
@@ -99,9 +105,7 @@ class OsolStep:
         every = self.config.osol_backtracking_every
         if not self._focus_rows or not every or step % every:
             return {"osol/backtracking": None, "osol/backtrack_token_frac": None}
-        rows = self._focus_rows
-        with torch.no_grad():
-            after = [policy.logprobs(outs[i].prompt_token_ids, outs[i].token_ids)[0] for i in rows]
+        after = self._logprobs(policy, outs, self._focus_rows)  # on pi_{k+1}, which the sync just set
         v = torch.cat([a - o for a, o in zip(after, self._old, strict=True)])
         out = backtracking(torch.cat(self._u), v)
         return {"osol/backtracking": out["ratio"], "osol/backtrack_token_frac": out["token_frac"]}
