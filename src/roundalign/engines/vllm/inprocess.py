@@ -180,13 +180,10 @@ class VllmEngine:
             with failure.guard("load_weights", RESUME):
                 reload(self.llm, served, self.scheme)
             return
-        from roundalign.engines.vllm.reload import refresh_lm_head
+        from roundalign.engines.vllm.reload import reload_weights
 
-        weights = [(name, t.to(torch.bfloat16)) for name, t in served.items()]
         with failure.guard("load_weights", RESUME):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            refresh_lm_head(self.llm)  # a tied lm_head's GEMM is not re-prepared by the reload
-            self.llm.reset_prefix_cache()
+            reload_weights(self.llm, [(name, t.to(torch.bfloat16)) for name, t in served.items()])
 
     def audit(self, served: dict) -> int:
         """Check that the engine serves ``served`` (the last ``load_weights``) exactly, reading every weight back

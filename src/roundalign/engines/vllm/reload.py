@@ -65,6 +65,14 @@ def refresh_lm_head(llm) -> None:
     dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
 
 
+def reload_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's in-place reload of ``weights`` (each layer's post-load processing redone), the tied lm_head's GEMM
+    prepared again (``refresh_lm_head``), and the prefix cache reset, so no KV block of the old weights is reused."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    refresh_lm_head(llm)
+    llm.reset_prefix_cache()
+
+
 def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     """Serve ``state_dict`` (HF-named, the trainer's weights) quantized in ``scheme`` from the next request on; or,
     given the checkpoint's tensors themselves (``roundalign.sync.Exporter(..., scheme=)``: codes an export chose
@@ -73,9 +81,7 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
         # vLLM quantizes what it loads (its online method's post-load processing, re-run by its reload), from the
         # bf16 weights: tests/test_quant_vllm.py checks that it serves what a fresh engine serves.
         served = checkpoint.served_state_dict(state_dict, scheme)  # the bf16 copy
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
-        refresh_lm_head(llm)
-        llm.reset_prefix_cache()
+        reload_weights(llm, list(served.items()))
         return
     if checkpoint.is_checkpoint(state_dict):
         served, linears = state_dict, checkpoint.split(state_dict, scheme)[0]
@@ -107,4 +113,4 @@ def reload(llm, state_dict: dict[str, torch.Tensor], scheme: Scheme) -> None:
     llm.reset_prefix_cache()
 
 
-__all__ = ["refresh_lm_head", "reload", "runner_model"]
+__all__ = ["refresh_lm_head", "reload", "reload_weights", "runner_model"]
