@@ -298,3 +298,54 @@ def test_a_prefix_of_a_coin_flip_answer_is_not_full_credit():
     assert gym.score(" 0.9375<|endoftext|>", item) == gym.score(" 15/16", item) == 1.0
     assert gym.score(" 0.5", item) == 2 / 6  # "0." matches
     assert gym.score(" heads", item) == 0.0
+
+
+# Sampled text a verifier must survive: numbers too large for a float, a zero denominator, an exponent of a billion
+# (Fraction("1e999999999") builds 10 ** 999999999 and does not return), garbage. Every one scores in [0, 1] and none
+# raises: an exception here ends an RL run in the middle of a step (a grid cell died on " 1e400" in coin_flip).
+ADVERSARIAL = ["1e400", "-1e400", "1e-400", "1e999", "1/0", "0/0", "nan", "inf", "-inf", "9" * 400, "1/" + "9" * 400,
+               "(", "1e", "--1", "1/2/3", "0x10", "１２", "1_000", "\x00", "+", "1/1e400", "1e400/1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_DOMAINS))
+def test_adversarial_answers_score_in_0_1_and_never_raise(name):
+    _rg()
+    for item in gym.make_items(parse_domains(name)[0], 4, seed=3):
+        for text in ADVERSARIAL:
+            assert 0.0 <= gym.score(" " + text + EOS_TEXT, item) <= 1.0, (item.dataset, text)
+
+
+def test_a_float_overflow_in_coin_flips_verifier_is_a_wrong_answer():
+    """reasoning-gym 0.1.25's coin_flip raises OverflowError on float(Fraction("1e400")); the answer scores 0."""
+    _rg()
+    item = gym.make_items(parse_domains("probability")[0], 1, seed=3)[0]
+    with pytest.raises(OverflowError):  # the verifier itself: if this stops raising, the guard may go
+        gym._scorer("coin_flip").score_answer(answer="1e400", entry=item.entry)
+    assert gym.score(" 1e400", item) == gym.score(" -1e400", item) == 0.0
+
+
+@pytest.mark.parametrize("text", ["1e999999999", "1E+1_000_000", "-2.5e-0001000", "7e12345  "])
+def test_an_exponent_beyond_999_scores_0_without_calling_the_verifier(monkeypatch, text):
+    """The verifier is never handed it: Fraction() would expand the power exactly and hang the run."""
+
+    class Refuse:
+        def score_answer(self, answer, entry):
+            raise AssertionError(f"the verifier was called with {answer!r}")
+
+    monkeypatch.setattr(gym, "_scorer", lambda dataset: Refuse())
+    item = gym.Item(prompt="p", answer="0.5", domain="probability", dataset="coin_flip", entry={"answer": "0.5"})
+    assert gym.score(" " + text, item) == 0.0
+
+
+@pytest.mark.parametrize("text", ["1e999", "1e-0999", "0.5", "5e-1"])
+def test_an_exponent_up_to_999_still_goes_to_the_verifier(monkeypatch, text):
+    seen = []
+
+    class Record:
+        def score_answer(self, answer, entry):
+            seen.append(answer)
+            return 0.0
+
+    monkeypatch.setattr(gym, "_scorer", lambda dataset: Record())
+    item = gym.Item(prompt="p", answer="0.5", domain="probability", dataset="coin_flip", entry={"answer": "0.5"})
+    assert gym.score(" " + text, item) == 0.0 and seen == [text]

@@ -218,19 +218,37 @@ def extract_answer(completion_text: str) -> str | None:
 
 
 def score(completion_text: str, item: Item) -> float:
-    """reasoning-gym's score of the completion's answer for ``item``, in [0, 1]; 0.0 when it gives no answer.
+    """reasoning-gym's score of the completion's answer for ``item``, in [0, 1]; 0.0 when it gives no answer, or a
+    number no verifier should be handed (an exponent beyond 999, or one its float() overflows on).
 
     One correction: reasoning-gym 0.1.25's coin_flip gives a wrong answer the length of its matching prefix over the
     *shorter* of the two numbers' texts, so any prefix of the right answer scores 1.0 (" 0" scores 1.0 on 61 of the
     64 held-out items, whose answers are 0.xxx). An RL loop learns that at once. Here a wrong coin_flip answer's
     partial credit is over the *longer* text instead (a right one, within reasoning-gym's tolerance, still 1.0)."""
     answer = extract_answer(completion_text)
-    if answer is None:
+    if answer is None or _huge_exponent(answer):
         return 0.0
-    value = float(_scorer(item.dataset).score_answer(answer=answer, entry=item.entry))
-    if item.dataset == "coin_flip" and value > 0:
-        value *= _coin_flip_correction(answer, str(item.entry["answer"]))
+    try:
+        value = float(_scorer(item.dataset).score_answer(answer=answer, entry=item.entry))
+        if item.dataset == "coin_flip" and value > 0:
+            value *= _coin_flip_correction(answer, str(item.entry["answer"]))
+    except (ArithmeticError, ValueError):
+        # a number the verifier cannot hold ("1e400": Fraction's float() overflows in coin_flip's scorer) is a
+        # wrong answer, as an unparsable one already is there; raising would end the run in the middle of a step
+        return 0.0
     return value
+
+
+# A number's exponent at the end of the answer ("1e999999999", "2E+1_000_000"). Fraction() expands it to an exact
+# integer, 10 ** exponent, which for a billion does not come back: reasoning-gym's numeric verifiers (coin_flip) would
+# hang the run on a sampled completion. No answer of a built-in dataset comes near 1e1000.
+_EXPONENT = re.compile(r"[eE][+-]?(\d[\d_]*)\s*$")
+
+
+def _huge_exponent(answer: str) -> bool:
+    """Whether ``answer`` ends in an exponent of more than three digits (it scores 0, its verifier is not called)."""
+    m = _EXPONENT.search(answer)
+    return m is not None and len(m.group(1).replace("_", "").lstrip("0")) > 3
 
 
 def _coin_flip_correction(answer: str, oracle: str, tol: float = 1e-4) -> float:
