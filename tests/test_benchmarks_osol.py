@@ -9,6 +9,7 @@ the osol markers alone.
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -42,12 +43,22 @@ def test_quick_run_writes_the_agreed_rows_and_the_report_fills_its_section(tmp_p
         assert r["phases_ms"]["recompute"] > 0 and r["phases_ms"]["sync"] > 0
         if r["variant"] == "grpo":
             assert r["time_ratio"] == 1.0 and r["osol_held_bytes"] == 0 and "extra_ms" not in r
+            assert r["additions_ratio"] == 1.0  # GRPO's step has no OSOL phase
         else:  # the previous weights: one 16-bit copy (the current ones are the run's kept export, under rne)
             assert r["osol_held_bytes"] == result["weights_16bit_bytes"]
             assert r["focus_rows"] == 2 and r["phases_ms"]["osol"] > 0
             assert len(r["copies_ms"]) == 3  # to the previous weights, back, and the sync's
+            added = [g + o for g, o in zip(grpo["times_ms"][1:], r["phases_ms_rounds"]["osol"][1:], strict=True)]
+            assert r["additions_ratio"] == pytest.approx(
+                statistics.median(added) / statistics.median(grpo["times_ms"][1:])
+            )
+            assert 1.0 < r["additions_ratio"] and r["additions_band"][0] <= r["additions_band"][1]
         if r["variant"] == "osol":
             assert r["extra_ms"]["footprint_forwards"] > 0 and r["extra_ms"]["backtracking_forwards"] > 0
+            extra = r["extra_ms"]
+            assert extra["extra_trained"] == r["phases_ms"]["update"] - grpo["phases_ms"]["update"]
+            parts = ("footprint_forwards", "backtracking_forwards", "weight_copies", "extra_trained", "rest")
+            assert sum(extra[k] for k in parts) == pytest.approx(extra["total"])
         if r["variant"] == "osol-lean":  # --osol-backtracking-every 0: the footprint's forwards only
             assert "backtracking_ms" not in r["calls_ms"] and "extra_ms" not in r
 
@@ -64,9 +75,10 @@ def test_quick_run_writes_the_agreed_rows_and_the_report_fills_its_section(tmp_p
 
 
 def test_report_judges_osol_against_its_target_with_the_band():
-    def row(variant, ratio, band):
-        return {"trainer": "stock", "variant": variant, "profile": "hf", "time_ms": 100 * ratio, "time_ratio": ratio,
-                "time_band": band, "whole_ms": 200, "whole_ratio": 1.0, "whole_band": [1.0, 1.0],
+    def row(variant, ratio, band):  # the whole step 1.4x: no target, only what OSOL adds is judged
+        return {"trainer": "stock", "variant": variant, "profile": "hf", "time_ms": 140, "time_ratio": 1.4,
+                "time_band": [1.3, 1.5], "additions_ratio": ratio, "additions_band": band,
+                "whole_ms": 200, "whole_ratio": 1.0, "whole_band": [1.0, 1.0],
                 "trained_sequence_frac": 0.5, "peak_bytes": 2**20, "peak_ratio": 1.0, "osol_held_bytes": 0,
                 "focus_rows": 16}  # fmt: skip
 
