@@ -275,9 +275,10 @@ def osol_section(data: dict) -> str:
                      f"each weight "
                      f"change beyond the others' median, OSOL's less GRPO's (vLLM's GEMM preparation in the exact "
                      f"trainer; none in stock HF): {extra['preparation']:+.0f} ms.")  # fmt: skip
+    copies = round(rows[-1]["osol_held_bytes"] / data["weights_16bit_bytes"])
     lines.append(f"- Peak: the trainer's tensors kept between steps (fp32 master, gradients, optimizer state, compute "
-                 f"copy, OSOL's weights) plus the step's own peak. OSOL keeps "
-                 f"{rows[-1]['osol_held_bytes'] / data['weights_16bit_bytes']:.0f} 16-bit copies of the weights "
+                 f"copy, OSOL's weights) plus the step's own peak. OSOL keeps {copies} 16-bit "
+                 f"{'copy' if copies == 1 else 'copies'} of the weights "
                  f"({data['weights_16bit_bytes'] / 2**20:.2f} MiB each).")  # fmt: skip
     lines += ["", f"Target: what OSOL adds at most {data.get('target', OSOL_TARGET):.2f}x GRPO's step. "
               f"Targets missed: {misses} of {checked} ratios checked."]  # fmt: skip
