@@ -7,7 +7,8 @@ completion's final "The answer is N." matches, else 0.0 (``roundalign.tasks.arit
 
 Held-out split: ``eval_problems`` problems drawn once from their own seed stream; a training batch never contains a
 prompt that is in it. Training batches are a pure function of (run seed, step), so a resumed run sees exactly the
-batches the uninterrupted run would have seen, without saving any sampler state.
+batches the uninterrupted run would have seen, without saving any sampler state. A batch takes fresh draws until it
+has its prompts; a task with so few distinct prompts that ``MAX_DRAWS`` draws do not is an error, not a hang.
 
 With ``--domains``, the task is ``MultiDomainTask``: reasoning-gym's domains (``roundalign.tasks.gym``) scored by its
 own verifiers, with the same held-out rule per domain. Both tasks answer ``prompt``, ``reward`` and ``domain``.
@@ -21,6 +22,7 @@ from roundalign.errors import UserError
 from roundalign.tasks.arithmetic import Problem, format_prompt, make_problems, reward
 
 EVAL_SEED_BASE = 1_000_003  # eval problems come from seeds far from any training step's
+MAX_DRAWS = 32  # fresh draws a batch may take to skip the held-out prompts; bounded, never a hang
 
 
 def _step_seed(seed: int, step: int, what: str) -> int:
@@ -34,6 +36,22 @@ def sampling_seed(seed: int, step: int) -> int:
     return _step_seed(seed, step, "sampling")
 
 
+def _outside(held_out: set[str], want: int, draw, what: str, fix: str) -> list:
+    """The first ``want`` items of ``draw(0)``, ``draw(1)``, ... whose prompts are not in ``held_out``. A UserError
+    naming ``what`` and the ``fix`` when ``MAX_DRAWS`` draws do not find them (too few distinct prompts)."""
+    items: list = []
+    for i in range(MAX_DRAWS):
+        if len(items) >= want:
+            break
+        items += [it for it in draw(i) if it.prompt not in held_out][: want - len(items)]
+    if len(items) < want:
+        raise UserError(
+            f"{what}: {MAX_DRAWS} draws found only {len(items)} of {want} prompts outside the held-out split; it has "
+            f"too few distinct prompts: {fix}"
+        )
+    return items
+
+
 class Task:
     """Problems of one level: ``eval_set`` (fixed) and ``train_batch(step)`` (disjoint from it)."""
 
@@ -44,13 +62,11 @@ class Task:
 
     def train_batch(self, step: int, n: int) -> list[Problem]:
         """``n`` problems for ``step``: drawn from the step's own seed, skipping held-out prompts."""
-        out: list[Problem] = []
-        draw = 0
-        while len(out) < n:
-            fresh = make_problems(2 * n, self.level, _step_seed(self.seed, step, f"problems/{draw}") % 2**31)
-            out += [p for p in fresh if p.prompt not in self._held_out][: n - len(out)]
-            draw += 1
-        return out
+
+        def draw(i: int) -> list[Problem]:
+            return make_problems(2 * n, self.level, _step_seed(self.seed, step, f"problems/{i}") % 2**31)
+
+        return _outside(self._held_out, n, draw, f"level {self.level}", "lower --eval-problems or use another --level")
 
     @staticmethod
     def prompt(problem: Problem) -> str:
@@ -95,18 +111,13 @@ class MultiDomainTask:
         per_domain = {}
         for j, d in enumerate(self._domains):
             want = len(range(j, n, len(self._domains)))
-            items: list = []
-            for draw in range(32):  # new draws until the held-out prompts are skipped; bounded, never a hang
-                if len(items) >= want:
-                    break
-                fresh = self._gym.make_items(d, 2 * want, _step_seed(self.seed, step, f"gym/{d.name}/{draw}"))
-                items += [it for it in fresh if it.prompt not in self._held_out][: want - len(items)]
-            if len(items) < want:
-                raise UserError(
-                    f"domain {d.name!r}: 32 draws of {2 * want} items found only {len(items)} prompts outside the "
-                    f"held-out split; it has too few distinct prompts: lower --eval-problems or widen its datasets"
-                )
-            per_domain[d.name] = items
+
+            def draw(i: int, d=d, want=want) -> list:
+                return self._gym.make_items(d, 2 * want, _step_seed(self.seed, step, f"gym/{d.name}/{i}"))
+
+            per_domain[d.name] = _outside(
+                self._held_out, want, draw, f"domain {d.name!r}", "lower --eval-problems or widen its datasets"
+            )
         return [per_domain[self.domains[i % len(self.domains)]][i // len(self.domains)] for i in range(n)]
 
     @staticmethod
