@@ -101,7 +101,8 @@ class TrainConfig:
         default=1,
         metadata={
             "help": "osol: measure the realized backtracking (osol/backtracking) every N steps (default {default}; 0: "
-            "never). It costs a forward of the focus domain's completions after the sync, a third of OSOL's cost"
+            "never). It costs a forward of the focus domain's completions after the sync: about half of what OSOL adds "
+            "to a step (docs/benchmarks.md, OSOL)"
         },
     )
     osol_schedule: str = field(
