@@ -59,12 +59,13 @@ test-latest:
 # DDP ranks) or runs small kernels that a second thread barely speeds up, so two single-threaded workers finish
 # about a quarter sooner than one two-threaded process on a 2-core machine; two 2-thread workers would fight over
 # the cores. A file's tests stay on one worker (--dist loadfile), so each module-scoped fixture (an engine dump,
-# a trained run) is built once. Set TEST_WORKERS=0 for one process.
+# a trained run) is built once; the files go out in collection order, the longest first (tests/conftest.py),
+# not reordered by their number of tests. Set TEST_WORKERS=0 for one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	ROUNDALIGN_ENGINE_PYTHON=$(abspath $(VLLM_VENV))/bin/python ROUNDALIGN_VERL_PYTHON=$(abspath $(VERL_VENV))/bin/python \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
-	  $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	  $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The mismatch audit on the shipped tiny-qwen3: stock HF and vLLM-aligned trainers against the reference engine's
 # two backends. Writes probe-out/report.json and three plots.

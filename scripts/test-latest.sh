@@ -33,7 +33,7 @@ LOCK="$tmp/trainer.lock" PYTHON="$PYTHON" scripts/install-env.sh trainer .venv-l
 LOCK="$tmp/vllm.lock" PYTHON="$PYTHON" scripts/install-env.sh vllm .venv-vllm-latest
 LOCK="$tmp/verl.lock" PYTHON="$PYTHON" scripts/install-env.sh verl .venv-verl-latest
 workers=()
-[[ "$WORKERS" == 0 ]] || workers=(-n "$WORKERS" --dist loadfile)
+[[ "$WORKERS" == 0 ]] || workers=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 ROUNDALIGN_ENGINE_PYTHON="$PWD/.venv-vllm-latest/bin/python" ROUNDALIGN_VERL_PYTHON="$PWD/.venv-verl-latest/bin/python" \
   OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
   .venv-latest/bin/python -m pytest -q "${workers[@]}" --ignore=tests/test_environment_lock.py

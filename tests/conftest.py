@@ -75,3 +75,24 @@ VERL_PYTHON_ENV = "ROUNDALIGN_VERL_PYTHON"
 def verl_python() -> str:
     """The Python of verl's loop (.venv-verl, or $ROUNDALIGN_VERL_PYTHON)."""
     return _venv_python(VERL_PYTHON_ENV, ".venv-verl", "verl", "verl 0.9.1 with vLLM's CPU build")
+
+
+# The longest files first, so that no long file starts last and runs alone while the other worker idles (seen: verl's
+# loop, about 15 minutes of one worker, starting 25 minutes into a CI run). With `-n 2 --dist loadfile` pytest-xdist
+# hands whole files to the workers in collection order, but only under `--no-loadscope-reorder` (the Makefile sets
+# it): by default xdist reorders the files by their number of tests, and these have few. Measured per file in a CI
+# run on a 2-core Zen 4, longest first. Sorting is stable: every other file keeps its place.
+_LONG_FIRST = (
+    "test_verl_loop.py",  # about 15 minutes: five runs of verl's whole loop
+    "test_rl_chaos.py",  # about 5 minutes: runs killed and resumed, one on the real vLLM
+    "test_model_features.py",
+    "test_real_vllm_kernels.py",
+    "test_quant_vllm.py",
+    "test_benchmarks_model.py",
+    "test_real_vllm.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FIRST)))
