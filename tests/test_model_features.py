@@ -122,7 +122,8 @@ def test_torch_compile_equals_eager(family):
     ids = token_ids()
     eager = roundalign.apply(build(family), "vllm").train()
     logits_e, grads_e = loss_and_grads(eager, ids)
-    for emulate in (False, True):
+    # MoE under the default config asserts nothing (below), and its compile is a minute and a half of CI: skipped.
+    for emulate in (True,) if family == "qwen3_moe" else (False, True):
         torch._dynamo.reset()
         compiled_model = roundalign.apply(build(family), "vllm").train()
         compiled_model.forward = torch.compile(compiled_model.forward)
