@@ -80,8 +80,10 @@ def verl_python() -> str:
 # The longest files first, so that no long file starts last and runs alone while the other worker idles (seen: verl's
 # loop, about 15 minutes of one worker, starting 25 minutes into a CI run). With `-n 2 --dist loadfile` pytest-xdist
 # hands whole files to the workers in collection order, but only under `--no-loadscope-reorder` (the Makefile sets
-# it): by default xdist reorders the files by their number of tests, and these have few. Measured per file in a CI
-# run on a 2-core Zen 4, longest first. Sorting is stable: every other file keeps its place.
+# it): by default xdist reorders the files by their number of tests, and these have few. They are the seven longest
+# files of a CI run on a 2-core Zen 4 (2.3 to 15 minutes of one worker each), verl's loop first; the order of the other
+# six is the one the CI runs were timed with, not strictly by length. Sorting is stable: every other file keeps its
+# place.
 _LONG_FIRST = (
     "test_verl_loop.py",  # about 15 minutes: five runs of verl's whole loop
     "test_rl_chaos.py",  # about 5 minutes: runs killed and resumed, one on the real vLLM
